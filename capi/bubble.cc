@@ -1,0 +1,231 @@
+// The C ABI: argument checks, option-struct versioning and translation to the core classes.
+// Nothing here decides policy.
+#include <bubble/bubble.h>
+
+#include <cstring>
+#include <memory>
+#include <new>
+
+#include "core/clock.h"
+#include "core/error.h"
+#include "core/task.h"
+#include "core/trainer.h"
+
+struct bb_trainer {
+  std::unique_ptr<bb::core::Trainer> impl;
+};
+struct bb_task {
+  std::unique_ptr<bb::core::Task> impl;
+};
+
+using bb::core::fail;
+
+namespace {
+
+// Copies a caller's size-prefixed struct over our defaults: the smaller of the two sizes wins,
+// so an older caller gets defaults for fields it does not know and a newer caller's extra
+// fields are ignored. `min_size` is the size of the first released version.
+template <typename T>
+bb_status read_options(const T* in, const T& defaults, size_t min_size, const char* what, T* out) {
+  *out = defaults;
+  if (!in) return BB_OK;
+  if (in->size < min_size)
+    return fail(BB_E_INVALID, "%s.size is %u: initialise the struct with its _init() function or "
+                "_INIT macro", what, in->size);
+  std::memcpy(out, in, std::min<size_t>(in->size, sizeof(T)));
+  out->size = sizeof(T);
+  return BB_OK;
+}
+
+// For out-structs: write at most the caller's size.
+template <typename T>
+bb_status write_out(const T& value, T* out, const char* what) {
+  if (!out) return fail(BB_E_INVALID, "%s is NULL", what);
+  if (out->size < sizeof(uint32_t) * 2)
+    return fail(BB_E_INVALID, "%s->size is %u: set it to sizeof the struct before the call", what,
+                out->size);
+  const uint32_t size = out->size;
+  std::memcpy(out, &value, std::min<size_t>(size, sizeof(T)));
+  out->size = size;
+  return BB_OK;
+}
+
+#define BB_GUARD(expr)                                                         \
+  try {                                                                        \
+    expr;                                                                      \
+  } catch (const std::bad_alloc&) {                                            \
+    return fail(BB_E_NOMEM, "out of memory");                                  \
+  } catch (const std::exception& e) {                                          \
+    return fail(BB_E_SYSTEM, "unexpected error: %s", e.what());                \
+  }
+
+}  // namespace
+
+extern "C" {
+
+const char* bb_status_name(bb_status status) {
+  switch (status) {
+#define BB_STATUS_NAME_(name, value, text) \
+  case BB_##name:                          \
+    return "BB_" #name;
+    BB_STATUS_MAP(BB_STATUS_NAME_)
+#undef BB_STATUS_NAME_
+  }
+  return "BB_E_UNKNOWN";
+}
+
+const char* bb_status_str(bb_status status) {
+  switch (status) {
+#define BB_STATUS_STR_(name, value, text) \
+  case BB_##name:                         \
+    return text;
+    BB_STATUS_MAP(BB_STATUS_STR_)
+#undef BB_STATUS_STR_
+  }
+  return "unknown status code";
+}
+
+const char* bb_last_error(void) { return bb::core::last_error(); }
+
+const char* bb_version(void) { return "0.1.0"; }
+
+uint64_t bb_now_ns(void) { return bb::core::now_ns(); }
+
+void bb_trainer_options_init(bb_trainer_options_t* opts) {
+  if (opts) *opts = bb_trainer_options_t BB_TRAINER_OPTIONS_INIT;
+}
+
+bb_status bb_trainer_open(const char* job_id, uint32_t rank, const bb_trainer_options_t* opts,
+                          bb_trainer_h* out) {
+  if (!out) return fail(BB_E_INVALID, "out is NULL: pass the address of a bb_trainer_h");
+  *out = nullptr;
+  bb_trainer_options_t o;
+  bb_status st = read_options(opts, bb_trainer_options_t BB_TRAINER_OPTIONS_INIT,
+                              sizeof(bb_trainer_options_t), "bb_trainer_options_t", &o);
+  if (st != BB_OK) return st;
+  BB_GUARD({
+    auto h = std::make_unique<bb_trainer>();
+    st = bb::core::Trainer::open(job_id, rank, o, &h->impl);
+    if (st != BB_OK) return st;
+    *out = h.release();
+  });
+  return BB_OK;
+}
+
+bb_status bb_trainer_close(bb_trainer_h trainer) {
+  delete trainer;
+  return BB_OK;
+}
+
+bb_status bb_bubble_begin(bb_trainer_h trainer, uint64_t expected_ns, uint64_t free_mem,
+                          bb_bubble_kind kind) {
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
+  return trainer->impl->begin(expected_ns, free_mem, kind);
+}
+
+bb_status bb_bubble_end(bb_trainer_h trainer) {
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
+  return trainer->impl->end();
+}
+
+bb_status bb_trainer_iteration(bb_trainer_h trainer) {
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
+  trainer->impl->iteration();
+  return BB_OK;
+}
+
+bb_status bb_trainer_stats(bb_trainer_h trainer, bb_trainer_stats_t* out) {
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
+  bb_trainer_stats_t s{};
+  s.size = sizeof s;
+  trainer->impl->stats(&s);
+  return write_out(s, out, "stats");
+}
+
+bb_status bb_trainer_tasks(bb_trainer_h trainer, bb_task_info_t* out, size_t cap,
+                           size_t* count) {
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
+  if (!count) return fail(BB_E_INVALID, "count is NULL");
+  if (cap > 0 && !out) return fail(BB_E_INVALID, "out is NULL but cap is %zu", cap);
+  for (size_t i = 0; i < cap; ++i)
+    if (out[i].size != sizeof(bb_task_info_t))
+      return fail(BB_E_INVALID, "out[%zu].size is %u, expected %zu: set size in every element",
+                  i, out[i].size, sizeof(bb_task_info_t));
+  BB_GUARD(return trainer->impl->tasks(out, cap, count));
+}
+
+bb_status bb_trainer_stop_task(bb_trainer_h trainer, uint64_t task_id) {
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
+  return trainer->impl->stop_task(task_id);
+}
+
+void bb_task_options_init(bb_task_options_t* opts) {
+  if (opts) *opts = bb_task_options_t BB_TASK_OPTIONS_INIT;
+}
+
+void bb_task_callbacks_init(bb_task_callbacks_t* cbs) {
+  if (cbs) *cbs = bb_task_callbacks_t BB_TASK_CALLBACKS_INIT;
+}
+
+bb_status bb_task_attach(const char* job_id, uint32_t rank, const char* name,
+                         const bb_task_options_t* opts, bb_task_h* out) {
+  if (!out) return fail(BB_E_INVALID, "out is NULL: pass the address of a bb_task_h");
+  *out = nullptr;
+  bb_task_options_t o;
+  bb_status st = read_options(opts, bb_task_options_t BB_TASK_OPTIONS_INIT,
+                              sizeof(bb_task_options_t), "bb_task_options_t", &o);
+  if (st != BB_OK) return st;
+  BB_GUARD({
+    auto h = std::make_unique<bb_task>();
+    st = bb::core::Task::attach(job_id, rank, name, o, &h->impl);
+    if (st != BB_OK) return st;
+    *out = h.release();
+  });
+  return BB_OK;
+}
+
+bb_status bb_task_detach(bb_task_h task) {
+  delete task;
+  return BB_OK;
+}
+
+bb_status bb_task_wait_start(bb_task_h task, int64_t timeout_ns, bb_start_info_t* out) {
+  if (!task) return fail(BB_E_INVALID, "task is NULL");
+  if (out && out->size < sizeof(uint32_t) * 2)
+    return fail(BB_E_INVALID, "out->size is %u: set it to sizeof(bb_start_info_t)", out->size);
+  bb_start_info_t info{};
+  info.size = sizeof info;
+  const bb_status st = task->impl->wait_start(timeout_ns, &info);
+  if (st == BB_OK && out) write_out(info, out, "out");
+  return st;
+}
+
+int bb_task_should_pause(bb_task_h task) { return task ? task->impl->should_pause() : 1; }
+
+bb_status bb_task_ack_pause(bb_task_h task) {
+  if (!task) return fail(BB_E_INVALID, "task is NULL");
+  return task->impl->ack_pause();
+}
+
+bb_status bb_task_report_step(bb_task_h task, uint64_t step_ns) {
+  if (!task) return fail(BB_E_INVALID, "task is NULL");
+  return task->impl->report_step(step_ns);
+}
+
+bb_status bb_task_time_left(bb_task_h task, uint64_t* left_ns, uint64_t* est_step_ns) {
+  if (!task) return fail(BB_E_INVALID, "task is NULL");
+  task->impl->time_left(left_ns, est_step_ns);
+  return BB_OK;
+}
+
+bb_status bb_task_run(bb_task_h task, const bb_task_callbacks_t* callbacks) {
+  if (!task) return fail(BB_E_INVALID, "task is NULL");
+  if (!callbacks) return fail(BB_E_INVALID, "callbacks is NULL");
+  bb_task_callbacks_t cbs;
+  bb_status st = read_options(callbacks, bb_task_callbacks_t BB_TASK_CALLBACKS_INIT,
+                              sizeof(bb_task_callbacks_t), "bb_task_callbacks_t", &cbs);
+  if (st != BB_OK) return st;
+  BB_GUARD(return task->impl->run(cbs));
+}
+
+}  // extern "C"

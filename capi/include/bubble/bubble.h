@@ -1,0 +1,279 @@
+/*
+ * libbubble: run side tasks in the idle time ("bubbles") of pipeline-parallel training.
+ *
+ * This is the whole stable C ABI. The naming contract (docs/C_API.md):
+ *   - every symbol starts with bb_ / BB_;
+ *   - handles are opaque pointers named *_h; the function that creates one has an
+ *     out-parameter, the matching close/detach function frees it and accepts NULL;
+ *   - option and result structs end in _t and start with a uint32_t `size` that the caller
+ *     sets (use the *_init() helper or the *_INIT macro); structs only ever grow at the end,
+ *     the library reads min(caller size, own size) bytes and defaults newer fields;
+ *   - every function returns a bb_status (BB_OK is 0) unless its comment says otherwise;
+ *     after a failure bb_last_error() holds one sentence saying what went wrong and what to do;
+ *   - pointer arguments must not be NULL unless the comment says "may be NULL".
+ *
+ * Time is always CLOCK_MONOTONIC nanoseconds. Sizes are bytes.
+ */
+#ifndef BUBBLE_BUBBLE_H
+#define BUBBLE_BUBBLE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(BUBBLE_STATIC_DEFINE)
+#define BB_API
+#elif defined(__GNUC__)
+#define BB_API __attribute__((visibility("default")))
+#else
+#define BB_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define BB_VERSION_MAJOR 0
+#define BB_VERSION_MINOR 1
+#define BB_VERSION_PATCH 0
+
+/* ---------------------------------------------------------------------------------------------
+ * Status codes. One table generates the enum, bb_status_name() and bb_status_str().
+ */
+#define BB_STATUS_MAP(X)                                                                   \
+  X(OK, 0, "success")                                                                      \
+  X(E_INVALID, -1, "invalid argument")                                                     \
+  X(E_NOMEM, -2, "out of memory")                                                          \
+  X(E_SYSTEM, -3, "operating system call failed")                                          \
+  X(E_NOT_FOUND, -4, "no such hub")                                                        \
+  X(E_BUSY, -5, "already in use")                                                          \
+  X(E_FULL, -6, "no free slot")                                                            \
+  X(E_VERSION, -7, "incompatible layout or protocol version")                              \
+  X(E_PERMISSION, -8, "permission denied")                                                 \
+  X(E_TIMEOUT, -9, "timed out")                                                            \
+  X(E_STOPPED, -10, "the task was told to stop")                                           \
+  X(E_TRAINER_GONE, -11, "the trainer closed its hub or exited")                           \
+  X(E_CORRUPT, -12, "shared memory failed validation")                                     \
+  X(E_STATE, -13, "call not valid in this state")                                          \
+  X(E_UNSUPPORTED, -14, "not supported on this machine")                                   \
+  X(E_CALLBACK, -15, "a task callback reported failure")
+
+typedef enum bb_status {
+#define BB_STATUS_ENUM_(name, value, text) BB_##name = value,
+  BB_STATUS_MAP(BB_STATUS_ENUM_)
+#undef BB_STATUS_ENUM_
+} bb_status;
+
+/* "BB_E_TIMEOUT" etc.; never NULL. */
+BB_API const char *bb_status_name(bb_status status);
+/* A short description of the code; never NULL. */
+BB_API const char *bb_status_str(bb_status status);
+/* The message of the last failed call on this thread ("" if none). Valid until the next
+ * libbubble call on this thread. Never NULL. */
+BB_API const char *bb_last_error(void);
+/* "0.1.0" */
+BB_API const char *bb_version(void);
+/* CLOCK_MONOTONIC now, in nanoseconds (the clock every libbubble time uses). */
+BB_API uint64_t bb_now_ns(void);
+
+/* ---------------------------------------------------------------------------------------------
+ * Common values.
+ */
+#define BB_MEM_UNKNOWN UINT64_MAX  /* free device memory not known: no task is skipped for it */
+#define BB_MAX_SLOTS_LIMIT 256u    /* hard upper bound of task slots per hub */
+#define BB_NAME_MAX 47u            /* longest job id / task name, in bytes */
+
+typedef enum bb_bubble_kind {
+  BB_BUBBLE_OTHER = 0,
+  BB_BUBBLE_WARMUP = 1,   /* pipeline fill: before the stage's first forward */
+  BB_BUBBLE_STEADY = 2,   /* a wait on a point-to-point transfer in the steady state */
+  BB_BUBBLE_COOLDOWN = 3, /* pipeline drain: after the stage's last backward */
+  BB_BUBBLE_KIND_COUNT_ = 4
+} bb_bubble_kind;
+
+/* ---------------------------------------------------------------------------------------------
+ * Trainer side. One hub per trainer rank (GPU), named by (job id, rank).
+ *
+ * bb_bubble_begin/bb_bubble_end are bounded-time, allocation-free, lock-free and never wait on
+ * a side task; the only system call they can make is a futex wake of a sleeping task. Call them
+ * from one thread at a time (the training loop's thread). Every other trainer function may be
+ * called from any thread.
+ */
+typedef struct bb_trainer *bb_trainer_h;
+
+typedef struct bb_trainer_options_t {
+  uint32_t size;           /* sizeof(bb_trainer_options_t) */
+  uint32_t max_slots;      /* task slots in the hub, 1..BB_MAX_SLOTS_LIMIT; default 64 */
+  uint32_t max_running;    /* tasks started in one bubble, 1..max_slots; default 1 */
+  uint32_t event_capacity; /* entries of the hub event log, power of two 64..65536; default 4096 */
+  const char *runtime_dir; /* where hub sockets live; may be NULL: $BUBBLE_RUNTIME_DIR, else
+                              $XDG_RUNTIME_DIR/bubble, else /tmp/bubble-<uid> */
+  uint32_t allow_uid;      /* a second uid allowed to attach (UINT32_MAX = only our own uid) */
+  uint32_t reserved0_;
+} bb_trainer_options_t;
+
+#define BB_TRAINER_OPTIONS_INIT {sizeof(bb_trainer_options_t), 64u, 1u, 4096u, NULL, UINT32_MAX, 0u}
+BB_API void bb_trainer_options_init(bb_trainer_options_t *opts);
+
+/* Create the hub (job_id: 1..BB_NAME_MAX of [A-Za-z0-9_.-], not starting with '.'; rank
+ * 0..65535). A hub left by a dead trainer with the same name is cleaned up and replaced;
+ * one owned by a live trainer gives BB_E_BUSY. opts may be NULL (defaults). */
+BB_API bb_status bb_trainer_open(const char *job_id, uint32_t rank,
+                                 const bb_trainer_options_t *opts, bb_trainer_h *out);
+/* Stops every attached task (they see BB_E_TRAINER_GONE or re-attach, by their option), removes
+ * the hub's files and frees the handle. NULL is accepted. */
+BB_API bb_status bb_trainer_close(bb_trainer_h trainer);
+
+/* A bubble starts now. expected_ns: its expected length (0 = predict it from earlier bubbles of
+ * the same position in the iteration); free_mem: device bytes side tasks may use
+ * (BB_MEM_UNKNOWN if not known). Picks tasks by priority (round-robin among equals), skipping
+ * those that need more memory or a longer step than the bubble offers, and starts them.
+ * Calling begin while a bubble is open ends the open one first. */
+BB_API bb_status bb_bubble_begin(bb_trainer_h trainer, uint64_t expected_ns, uint64_t free_mem,
+                                 bb_bubble_kind kind);
+/* The bubble ends now: every started task is told to pause. A no-op if no bubble is open. */
+BB_API bb_status bb_bubble_end(bb_trainer_h trainer);
+/* Marks the start of a training iteration: the predictor numbers bubbles from here, so the
+ * n-th bubble of each iteration is predicted from the n-th bubbles of earlier ones. Optional. */
+BB_API bb_status bb_trainer_iteration(bb_trainer_h trainer);
+
+typedef struct bb_trainer_stats_t {
+  uint32_t size;
+  uint32_t tasks_attached;
+  uint64_t bubbles;
+  uint64_t bubble_ns;           /* summed length of closed bubbles */
+  uint64_t starts;              /* task starts signalled */
+  uint64_t pauses;              /* task pauses signalled */
+  uint64_t wakes;               /* futex wake calls made on the bubble path */
+  uint64_t task_ns_in_bubbles;  /* side-task step time inside bubbles, as reported by tasks */
+  uint64_t task_ns_outside;     /* side-task step time that spilled past a bubble's end */
+  uint64_t steps;               /* side-task steps reported */
+  uint64_t start_latency_p50_ns, start_latency_p99_ns; /* bubble begin -> task running */
+  uint64_t pause_latency_p50_ns, pause_latency_p99_ns; /* bubble end -> task acked pause */
+  uint64_t tasks_reclaimed;     /* slots freed because their task died or detached */
+  uint64_t tasks_bad;           /* tasks marked bad for corrupting their slot */
+  uint64_t events_dropped;      /* reports lost to full rings */
+} bb_trainer_stats_t;
+
+BB_API bb_status bb_trainer_stats(bb_trainer_h trainer, bb_trainer_stats_t *out);
+
+typedef struct bb_task_info_t {
+  uint32_t size;
+  uint32_t slot;
+  uint64_t id;            /* slot and generation: stays unique while the hub lives */
+  int32_t pid;
+  int32_t priority;
+  uint64_t mem_need;
+  uint64_t min_step_ns;
+  uint64_t steps;
+  uint64_t step_ns;
+  uint32_t running;       /* 1 while started in the current bubble and not yet paused */
+  uint32_t bad;           /* 1 once the task corrupted its slot; it is never started again */
+  char name[BB_NAME_MAX + 1];
+} bb_task_info_t;
+
+/* Copies up to cap attached tasks into out (out may be NULL when cap is 0); *count receives the
+ * number attached, which may exceed cap. */
+BB_API bb_status bb_trainer_tasks(bb_trainer_h trainer, bb_task_info_t *out, size_t cap,
+                                  size_t *count);
+/* Tells one task (by bb_task_info_t.id) to stop; it finishes and detaches. */
+BB_API bb_status bb_trainer_stop_task(bb_trainer_h trainer, uint64_t task_id);
+
+/* ---------------------------------------------------------------------------------------------
+ * Side-task side. A task attaches to one hub and either hands the runtime its callbacks
+ * (iterative) or runs its own loop (imperative). A task handle belongs to one thread at a time.
+ */
+typedef struct bb_task *bb_task_h;
+
+typedef enum bb_on_trainer_exit {
+  BB_ON_TRAINER_EXIT_RETURN = 0, /* calls return BB_E_TRAINER_GONE */
+  BB_ON_TRAINER_EXIT_WAIT = 1    /* wait for a trainer to reopen the hub, then re-attach */
+} bb_on_trainer_exit;
+
+typedef struct bb_task_options_t {
+  uint32_t size;
+  int32_t priority;             /* higher runs first; default 0 */
+  uint64_t mem_need;            /* device bytes the task needs during a bubble; default 0 */
+  uint64_t min_step_ns;         /* shortest useful step; default 0 */
+  uint32_t on_trainer_exit;     /* bb_on_trainer_exit; default RETURN */
+  uint32_t reserved0_;
+  uint64_t reattach_timeout_ns; /* with WAIT: give up after this long; default 60 s */
+  uint64_t spin_ns;             /* spin this long before sleeping on a wait; default 20 us */
+  const char *runtime_dir;      /* may be NULL: same default as the trainer */
+} bb_task_options_t;
+
+#define BB_TASK_OPTIONS_INIT \
+  {sizeof(bb_task_options_t), 0, 0u, 0u, BB_ON_TRAINER_EXIT_RETURN, 0u, 60000000000ull, 20000ull, NULL}
+BB_API void bb_task_options_init(bb_task_options_t *opts);
+
+/* Attach to the hub of (job_id, rank) under a name (1..BB_NAME_MAX printable characters).
+ * opts may be NULL. Fails with BB_E_NOT_FOUND when no trainer serves that hub, BB_E_FULL when
+ * its slot table is full, BB_E_VERSION when the trainer's libbubble speaks another layout. */
+BB_API bb_status bb_task_attach(const char *job_id, uint32_t rank, const char *name,
+                                const bb_task_options_t *opts, bb_task_h *out);
+/* Acks any pending pause, releases the slot and frees the handle. NULL is accepted. */
+BB_API bb_status bb_task_detach(bb_task_h task);
+
+typedef struct bb_start_info_t {
+  uint32_t size;
+  uint32_t kind;         /* bb_bubble_kind */
+  uint64_t bubble_seq;   /* the trainer's bubble number */
+  uint64_t begin_ns;     /* when the trainer began the bubble */
+  uint64_t deadline_ns;  /* when the bubble is expected to end (0 if unknown) */
+  uint64_t free_mem;     /* device bytes free during this bubble, or BB_MEM_UNKNOWN */
+} bb_start_info_t;
+
+/* Imperative: wait until the trainer starts this task in a bubble. timeout_ns < 0 waits
+ * forever. BB_E_TIMEOUT, BB_E_STOPPED (finish and detach) and BB_E_TRAINER_GONE are the
+ * expected non-OK results. out may be NULL. */
+BB_API bb_status bb_task_wait_start(bb_task_h task, int64_t timeout_ns, bb_start_info_t *out);
+/* Imperative: 1 when the task must pause (the bubble ended, or it was told to stop), else 0.
+ * One load from shared memory; returns an int, not a bb_status, and never fails. */
+BB_API int bb_task_should_pause(bb_task_h task);
+/* Imperative: the task has stopped running device work for this bubble. */
+BB_API bb_status bb_task_ack_pause(bb_task_h task);
+/* Imperative: report one step's duration (for statistics and the time-fits check). */
+BB_API bb_status bb_task_report_step(bb_task_h task, uint64_t step_ns);
+/* Time left in the current bubble (0 if none or past its deadline; UINT64_MAX if the trainer
+ * gave no deadline) and the runtime's estimate of this task's step time (0 before any step). */
+BB_API bb_status bb_task_time_left(bb_task_h task, uint64_t *left_ns, uint64_t *est_step_ns);
+
+typedef struct bb_step_info_t {
+  uint32_t size;
+  uint32_t kind;
+  uint64_t bubble_seq;
+  uint64_t deadline_ns;  /* 0 if unknown */
+  uint64_t time_left_ns; /* UINT64_MAX if unknown */
+  uint64_t est_step_ns;  /* the runtime's estimate of one step (0 before the first) */
+  uint64_t free_mem;
+} bb_step_info_t;
+
+#define BB_STEP_CONTINUE 0 /* step() return: more work to do */
+#define BB_STEP_DONE 1     /* step() return: the task's work is finished */
+
+typedef struct bb_task_callbacks_t {
+  uint32_t size;
+  uint32_t reserved0_;
+  void *user;
+  /* Each may be NULL except step. A negative return from init/step/pause/resume makes bb_task_run
+   * report FAILED and return BB_E_CALLBACK. */
+  int (*init)(void *user);
+  int (*step)(void *user, const bb_step_info_t *info);
+  int (*pause)(void *user);
+  int (*resume)(void *user);
+  void (*finish)(void *user, bb_status status);
+} bb_task_callbacks_t;
+
+#define BB_TASK_CALLBACKS_INIT {sizeof(bb_task_callbacks_t), 0u, NULL, NULL, NULL, NULL, NULL, NULL}
+BB_API void bb_task_callbacks_init(bb_task_callbacks_t *cbs);
+
+/* Iterative: runs init, then in every bubble resume, steps while the measured step time fits
+ * before the deadline and no pause is asked, then pause and an ack. Returns BB_OK when step
+ * returned BB_STEP_DONE, BB_E_STOPPED when told to stop, BB_E_TRAINER_GONE, or BB_E_CALLBACK.
+ * finish is called once with that status before returning. */
+BB_API bb_status bb_task_run(bb_task_h task, const bb_task_callbacks_t *callbacks);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* BUBBLE_BUBBLE_H */

@@ -1,0 +1,255 @@
+#include "core/observer.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+
+#include "core/clock.h"
+#include "core/error.h"
+#include "core/paths.h"
+#include "shm/segment.h"
+#include "shm/wire.h"
+
+namespace bb::core {
+
+struct HubObserver::Impl {
+  shm::Fd sock;
+  shm::Mapping hub_map;
+  shm::HubView hub;
+  std::string job;
+  uint32_t rank = 0;
+  // Task pages mapped read-only, by slot, for the generation they belong to.
+  struct Page {
+    uint32_t generation = 0;
+    shm::Mapping map;
+  };
+  mutable std::map<uint32_t, Page> pages;
+
+  // One request, one reply: the observer's connection carries nothing else.
+  bb_status request(shm::MsgType type, uint32_t slot, uint32_t gen, int* fd_out,
+                    std::string* error) const {
+    auto q = shm::make_msg<shm::SlotRequestMsg>(type);
+    q.slot = slot;
+    q.generation = gen;
+    if (int e = shm::send_msg(sock.get(), &q, sizeof q, nullptr, 0)) {
+      if (error) *error = std::string("the trainer went away: ") + std::strerror(e);
+      return BB_E_TRAINER_GONE;
+    }
+    alignas(8) char buf[shm::kWireMaxMessage];
+    int fds[2], nfds;
+    const long n = shm::recv_msg(sock.get(), buf, fds, &nfds);
+    shm::Fd f0(fds[0]), f1(fds[1]);
+    if (n <= 0) {
+      if (error) *error = "the trainer closed the observer connection";
+      return BB_E_TRAINER_GONE;
+    }
+    if (!shm::check_msg(buf, n, shm::MsgType::kReply, sizeof(shm::ReplyMsg))) {
+      if (error) *error = "malformed reply from the trainer";
+      return BB_E_CORRUPT;
+    }
+    shm::ReplyMsg r;
+    std::memcpy(&r, buf, sizeof r);
+    r.error[sizeof r.error - 1] = 0;
+    if (r.status != BB_OK) {
+      if (error) *error = r.error;
+      return bb_status(r.status);
+    }
+    if (fd_out) *fd_out = f0.release();
+    return BB_OK;
+  }
+
+  const shm::TaskPage* page(uint32_t slot, uint32_t gen) const {
+    auto it = pages.find(slot);
+    if (it != pages.end() && it->second.generation == gen) {
+      return reinterpret_cast<const shm::TaskPage*>(it->second.map.data());
+    }
+    int fd = -1;
+    if (request(shm::MsgType::kGetTaskPage, slot, gen, &fd, nullptr) != BB_OK) return nullptr;
+    shm::Fd owned(fd);
+    std::string err;
+    if (shm::segment_size(fd) != int64_t(shm::kTaskPageSize)) return nullptr;
+    shm::Mapping m = shm::map_segment(fd, shm::kTaskPageSize, false, &err);
+    if (!m) return nullptr;
+    Page& p = pages[slot];
+    p.generation = gen;
+    p.map = std::move(m);
+    return reinterpret_cast<const shm::TaskPage*>(p.map.data());
+  }
+};
+
+HubObserver::HubObserver(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+HubObserver::~HubObserver() = default;
+
+bb_status HubObserver::open(const std::string& runtime_dir, const std::string& job,
+                            uint32_t rank, std::unique_ptr<HubObserver>* out,
+                            std::string* error) {
+  auto set = [&](bb_status st) {
+    if (error) *error = last_error();
+    return st;
+  };
+  bb_status st;
+  if ((st = check_job_id(job.c_str())) != BB_OK || (st = check_rank(rank)) != BB_OK)
+    return set(st);
+  std::string dir, path;
+  if ((st = resolve_runtime_dir(runtime_dir.empty() ? nullptr : runtime_dir.c_str(), false,
+                                &dir)) != BB_OK)
+    return set(st);
+  if ((st = hub_paths(dir, job.c_str(), rank, &path, nullptr)) != BB_OK) return set(st);
+  auto impl = std::make_unique<Impl>();
+  impl->sock.reset(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
+  if (!impl->sock ||
+      connect(impl->sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
+    return set(fail(BB_E_NOT_FOUND, "no trainer serves hub %s.%u at %s", job.c_str(), rank,
+                    path.c_str()));
+  timeval tv{5, 0};
+  setsockopt(impl->sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  auto m = shm::make_msg<shm::AttachObserverMsg>(shm::MsgType::kAttachObserver);
+  if (shm::send_msg(impl->sock.get(), &m, sizeof m, nullptr, 0) != 0)
+    return set(fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u went away", job.c_str(), rank));
+  alignas(8) char buf[shm::kWireMaxMessage];
+  int fds[2], nfds;
+  const long n = shm::recv_msg(impl->sock.get(), buf, fds, &nfds);
+  shm::Fd hub_fd(fds[0]), extra(fds[1]);
+  if (!shm::check_msg(buf, n, shm::MsgType::kAttachReply, sizeof(shm::AttachReplyMsg)))
+    return set(fail(BB_E_VERSION, "hub %s.%u did not answer as a compatible libbubble trainer",
+                    job.c_str(), rank));
+  shm::AttachReplyMsg r;
+  std::memcpy(&r, buf, sizeof r);
+  r.error[sizeof r.error - 1] = 0;
+  if (r.status != BB_OK) return set(fail_msg(bb_status(r.status), r.error));
+  const int64_t size = shm::segment_size(hub_fd.get());
+  std::string err;
+  if (size <= 0) return set(fail(BB_E_CORRUPT, "the hub segment is empty"));
+  impl->hub_map = shm::map_segment(hub_fd.get(), size_t(size), false, &err);
+  if (!impl->hub_map) return set(fail_msg(BB_E_SYSTEM, err));
+  if (!shm::validate_hub(impl->hub_map.data(), uint64_t(size), &err))
+    return set(fail_msg(BB_E_VERSION, err));
+  impl->hub.base = impl->hub_map.data();
+  impl->job = job;
+  impl->rank = rank;
+  out->reset(new HubObserver(std::move(impl)));
+  return BB_OK;
+}
+
+HubSnapshot HubObserver::snapshot() const {
+  const shm::HubView& hub = impl_->hub;
+  HubSnapshot s;
+  s.job = impl_->job;
+  s.rank = impl_->rank;
+  s.trainer_pid = hub.header()->creator_pid;
+  s.max_slots = hub.header()->max_slots;
+  const shm::BubbleState* b = hub.bubble();
+  for (int tries = 0; tries < 100; ++tries) {  // seqlock read; give up on a torn view quietly
+    const uint64_t v0 = b->version.load(std::memory_order_acquire);
+    if (v0 & 1) continue;
+    s.in_bubble = b->open.load(std::memory_order_relaxed) != 0;
+    s.bubble_seq = b->seq.load(std::memory_order_relaxed);
+    s.bubble_begin_ns = b->begin_ns.load(std::memory_order_relaxed);
+    s.bubble_deadline_ns = b->deadline_ns.load(std::memory_order_relaxed);
+    s.free_mem = b->free_mem.load(std::memory_order_relaxed);
+    s.bubbles = b->bubbles.load(std::memory_order_relaxed);
+    s.bubble_ns = b->bubble_ns.load(std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (b->version.load(std::memory_order_relaxed) == v0) break;
+  }
+  for (uint32_t i = 0; i < s.max_slots; ++i) {
+    const shm::SlotCtl* c = hub.slot(i);
+    if (shm::SlotState(c->state.load(std::memory_order_acquire)) != shm::SlotState::kActive)
+      continue;
+    TaskSnapshot t;
+    const uint32_t gen = c->generation.load(std::memory_order_relaxed);
+    t.slot = i;
+    t.id = uint64_t(i) | uint64_t(gen) << 32;
+    t.pid = c->pid;
+    t.priority = c->priority;
+    t.mem_need = c->mem_need;
+    t.min_step_ns = c->min_step_ns;
+    char name[shm::kNameBytes];
+    std::memcpy(name, c->name, sizeof name);
+    name[sizeof name - 1] = 0;
+    t.name = name;
+    t.bad = c->bad.load(std::memory_order_relaxed) != 0;
+    t.steps = c->steps.load(std::memory_order_relaxed);
+    t.step_ns = c->step_ns.load(std::memory_order_relaxed);
+    t.ns_in_bubbles = c->ns_in_bubbles.load(std::memory_order_relaxed);
+    t.ns_outside = c->ns_outside.load(std::memory_order_relaxed);
+    const uint32_t paused_epoch = c->paused_epoch.load(std::memory_order_acquire);
+    if (const shm::TaskPage* p = impl_->page(i, gen)) {
+      // The task's words: clamp to known values rather than trust them.
+      const uint32_t st = p->state.load(std::memory_order_relaxed);
+      t.state = st <= uint32_t(TaskRunState::kFailed) ? TaskRunState(st) : TaskRunState::kIdle;
+      const uint32_t acked = p->acked_epoch.load(std::memory_order_acquire);
+      const uint32_t given = c->given_epoch.load(std::memory_order_relaxed);
+      t.started = given != 0 && acked != given;
+      if (paused_epoch != 0) {
+        t.pause_requested_ns = c->pause_requested_ns.load(std::memory_order_relaxed);
+        if (acked == paused_epoch) t.pause_acked_ns = p->ack_ns.load(std::memory_order_relaxed);
+      }
+    }
+    s.tasks.push_back(std::move(t));
+  }
+  return s;
+}
+
+size_t HubObserver::read_events(uint64_t* cursor, Event* out, size_t cap, uint64_t* lost) const {
+  const shm::HubView& hub = impl_->hub;
+  const uint32_t capacity = hub.header()->event_capacity;
+  const uint64_t next = hub.events()->next.load(std::memory_order_acquire);
+  uint64_t from = *cursor;
+  uint64_t skipped = 0;
+  if (next > capacity && from < next - capacity) {
+    skipped = next - capacity - from;
+    from = next - capacity;
+  }
+  size_t n = 0;
+  for (; from < next && n < cap; ++from) {
+    const shm::EventEntry& e = hub.event_entries()[from & (capacity - 1)];
+    const uint32_t c0 = e.commit.load(std::memory_order_acquire);
+    if (c0 != uint32_t(from + 1)) {
+      if (c0 == 0 || int32_t(c0 - uint32_t(from + 1)) < 0) break;  // not written yet: stop here
+      ++skipped;                                                 // already overwritten
+      continue;
+    }
+    Event ev;
+    ev.type = EventType(e.kind);
+    ev.slot = e.slot;
+    ev.ts_ns = e.ts_ns;
+    ev.a = e.a;
+    ev.b = e.b;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (e.commit.load(std::memory_order_relaxed) != c0) {
+      ++skipped;
+      continue;
+    }
+    out[n++] = ev;
+  }
+  *cursor = from;
+  if (lost) *lost = skipped;
+  return n;
+}
+
+bool HubObserver::alive() const {
+  if (impl_->hub.stats()->closing.load(std::memory_order_acquire)) return false;
+  pollfd p{impl_->sock.get(), POLLIN, 0};
+  if (poll(&p, 1, 0) <= 0) return true;
+  if (p.revents & (POLLHUP | POLLERR)) return false;
+  char c;
+  return recv(impl_->sock.get(), &c, 1, MSG_PEEK | MSG_DONTWAIT) != 0;
+}
+
+int HubObserver::fd() const { return impl_->sock.get(); }
+
+bb_status HubObserver::stop_task(uint64_t task_id, std::string* error) {
+  return impl_->request(shm::MsgType::kStopTask, uint32_t(task_id & 0xffffffffu),
+                        uint32_t(task_id >> 32), nullptr, error);
+}
+
+}  // namespace bb::core

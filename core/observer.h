@@ -1,0 +1,119 @@
+// A read-only view of a live hub for the node agent, tracers and tools.
+//
+// An observer connects to the hub's socket like a task does, but takes no slot: it receives the
+// hub segment mapped read-only and may ask the trainer's hub service for a few control actions
+// (stop a task). It never writes shared memory and never blocks the trainer.
+#pragma once
+
+#include <bubble/bubble.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace bb::core {
+
+struct HubName {
+  std::string job;
+  uint32_t rank = 0;
+};
+
+// Hubs whose sockets exist in runtime_dir ("" = the default directory), live or stale; the
+// caller finds out which by opening them. Sorted by (job, rank).
+std::vector<HubName> list_hubs(const std::string& runtime_dir);
+
+// The directory hub sockets live in: the option if set, else $BUBBLE_RUNTIME_DIR, else
+// $XDG_RUNTIME_DIR/bubble, else /tmp/bubble-<uid>.
+std::string default_runtime_dir();
+
+// Path of the hub socket for (job, rank) in runtime_dir ("" = default).
+std::string hub_socket_path(const std::string& runtime_dir, const std::string& job,
+                            uint32_t rank);
+
+enum class TaskRunState : uint32_t { kIdle = 0, kRunning = 1, kFinished = 2, kFailed = 3 };
+
+struct TaskSnapshot {
+  uint32_t slot = 0;
+  uint64_t id = 0;          // slot | generation << 32, as bb_task_info_t.id
+  int32_t pid = 0;
+  int32_t priority = 0;
+  uint64_t mem_need = 0;
+  uint64_t min_step_ns = 0;
+  std::string name;
+  TaskRunState state = TaskRunState::kIdle;  // as the task reports it (untrusted, validated)
+  bool bad = false;         // the trainer found its slot corrupt
+  bool started = false;     // started in the current/last bubble and not yet acked a pause
+  uint64_t pause_requested_ns = 0;  // when the trainer asked it to pause (0 = not asked)
+  uint64_t pause_acked_ns = 0;      // when it acked that pause (0 = not yet)
+  uint64_t steps = 0;
+  uint64_t step_ns = 0;             // summed step time
+  uint64_t ns_in_bubbles = 0;
+  uint64_t ns_outside = 0;
+};
+
+struct HubSnapshot {
+  std::string job;
+  uint32_t rank = 0;
+  int32_t trainer_pid = 0;
+  uint32_t max_slots = 0;
+  bool in_bubble = false;
+  uint64_t bubble_seq = 0;
+  uint64_t bubble_begin_ns = 0;
+  uint64_t bubble_deadline_ns = 0;
+  uint64_t free_mem = BB_MEM_UNKNOWN;   // of the current or last bubble
+  uint64_t bubbles = 0;
+  uint64_t bubble_ns = 0;
+  std::vector<TaskSnapshot> tasks;
+};
+
+enum class EventType : uint16_t {
+  kBubbleBegin = 1,  // a = expected_ns, b = free_mem
+  kBubbleEnd = 2,    // a = duration_ns
+  kTaskStart = 3,    // slot; a = bubble_seq, b = start latency ns
+  kTaskPause = 4,    // slot; a = bubble_seq, b = pause latency ns
+  kTaskStep = 5,     // slot; a = step start ns, b = step duration ns
+  kTaskAttach = 6,   // slot; a = pid
+  kTaskDetach = 7,   // slot; a = pid, b = 1 if it died
+  kTaskFinish = 8,   // slot; a = 0 finished / 1 failed
+};
+
+struct Event {
+  uint64_t ts_ns = 0;
+  EventType type{};
+  uint16_t slot = 0;
+  uint64_t a = 0;
+  uint64_t b = 0;
+};
+
+class HubObserver {
+ public:
+  // Connects to the hub of (job, rank). On failure returns the status and sets *error to one
+  // actionable sentence.
+  static bb_status open(const std::string& runtime_dir, const std::string& job, uint32_t rank,
+                        std::unique_ptr<HubObserver>* out, std::string* error);
+  ~HubObserver();
+  HubObserver(const HubObserver&) = delete;
+  HubObserver& operator=(const HubObserver&) = delete;
+
+  HubSnapshot snapshot() const;
+  // Events logged since *cursor (0 = the oldest still kept); advances *cursor. Returns how
+  // many were copied (at most cap). Events overwritten before they were read are skipped, and
+  // *lost (may be null) receives their count.
+  size_t read_events(uint64_t* cursor, Event* out, size_t cap, uint64_t* lost = nullptr) const;
+  // False once the trainer closed the hub or died.
+  bool alive() const;
+  // A descriptor that becomes readable (EOF/HUP) when the trainer goes away: watch it with
+  // poll/epoll/uv_poll instead of polling alive().
+  int fd() const;
+  // Asks the trainer to stop a task (bb_trainer_stop_task semantics).
+  bb_status stop_task(uint64_t task_id, std::string* error);
+
+  struct Impl;
+
+ private:
+  explicit HubObserver(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace bb::core

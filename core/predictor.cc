@@ -1,0 +1,84 @@
+#include "core/predictor.h"
+
+namespace bb::core {
+namespace {
+
+// The kind arrives from the trainer's caller through the C ABI; anything unknown is "other"
+// so it can never index past the per-kind table.
+inline uint32_t kind_index(bb_bubble_kind kind) noexcept {
+  const auto k = static_cast<uint32_t>(kind);
+  return k < BB_BUBBLE_KIND_COUNT_ ? k : static_cast<uint32_t>(BB_BUBBLE_OTHER);
+}
+
+}  // namespace
+
+void BubblePredictor::push(History* h, uint64_t duration_ns) noexcept {
+  h->window[h->next] = duration_ns;
+  h->next = static_cast<uint8_t>((h->next + 1) % kWindow);
+  if (h->count < kWindow) ++h->count;
+  // Insertion sort of at most five values: a dozen compares, cheaper than any selection
+  // algorithm at this size, and done here so predict() is a single load.
+  uint64_t v[kWindow];
+  const uint32_t n = h->count;
+  for (uint32_t i = 0; i < n; ++i) {
+    uint64_t x = h->window[i];
+    uint32_t j = i;
+    for (; j > 0 && v[j - 1] > x; --j) v[j] = v[j - 1];
+    v[j] = x;
+  }
+  // With an even count take the lower middle: predicting short only leaves a little bubble
+  // unused, predicting long lets side-task work spill into the training step.
+  h->prediction = v[(n - 1) / 2];
+}
+
+void BubblePredictor::begin_iteration() noexcept {
+  position_ = 0;
+  marked_ = true;
+}
+
+uint64_t BubblePredictor::predict(bb_bubble_kind kind) const noexcept {
+  const uint32_t k = kind_index(kind);
+  if (marked_ && position_ < kMaxPositions) {
+    const History& h = positions_[position_];
+    if (h.count > 0 ? h.kind == k : h.seeded) return h.prediction;
+  }
+  const History& h = kinds_[k];
+  return h.count > 0 ? h.prediction : 0;
+}
+
+void BubblePredictor::observe(bb_bubble_kind kind, uint64_t duration_ns) noexcept {
+  const uint32_t k = kind_index(kind);
+  if (marked_ && position_ < kMaxPositions) {
+    History& h = positions_[position_];
+    // Another kind at this position means the schedule changed: its old lengths say nothing.
+    if (h.count > 0 && h.kind != k) h.count = 0;
+    if (h.count == 0) {
+      h.next = 0;
+      h.seeded = 0;
+      h.kind = static_cast<uint8_t>(k);
+    }
+    push(&h, duration_ns);
+  }
+  push(&kinds_[k], duration_ns);
+  if (position_ != UINT32_MAX) ++position_;
+}
+
+void BubblePredictor::seed(const uint64_t* durations_ns, uint32_t count) noexcept {
+  if (durations_ns == nullptr) return;
+  if (count > kMaxPositions) count = kMaxPositions;
+  for (uint32_t i = 0; i < count; ++i) {
+    History& h = positions_[i];
+    if (durations_ns[i] == 0 || h.count > 0) continue;  // observations beat declarations
+    h.prediction = durations_ns[i];
+    h.seeded = 1;
+  }
+}
+
+void BubblePredictor::reset() noexcept {
+  positions_ = {};
+  kinds_ = {};
+  position_ = 0;
+  marked_ = false;
+}
+
+}  // namespace bb::core

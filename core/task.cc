@@ -1,0 +1,414 @@
+#include "core/task.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "core/clock.h"
+#include "core/error.h"
+#include "core/paths.h"
+#include "shm/futex.h"
+#include "shm/wire.h"
+
+namespace bb::core {
+namespace {
+
+// A sleeping task looks at its connection this often, so it notices a trainer that died
+// without being able to say so (the futex word will never change again).
+constexpr int64_t kLivenessSliceNs = 100'000'000;
+constexpr uint64_t kMinSpinNs = 1'000;
+constexpr uint64_t kReattachPollNs = 50'000'000;
+
+void sleep_ns(uint64_t ns) {
+  timespec ts{time_t(ns / 1000000000), long(ns % 1000000000)};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
+
+}  // namespace
+
+bb_status Task::attach(const char* job_id, uint32_t rank, const char* name,
+                       const bb_task_options_t& opts, std::unique_ptr<Task>* out) {
+  bb_status st;
+  if ((st = check_job_id(job_id)) != BB_OK || (st = check_rank(rank)) != BB_OK ||
+      (st = check_task_name(name)) != BB_OK)
+    return st;
+  if (opts.on_trainer_exit > BB_ON_TRAINER_EXIT_WAIT)
+    return fail(BB_E_INVALID, "on_trainer_exit %u is not a bb_on_trainer_exit value",
+                opts.on_trainer_exit);
+  std::unique_ptr<Task> t(new Task());
+  if ((st = resolve_runtime_dir(opts.runtime_dir, false, &t->dir_)) != BB_OK) return st;
+  t->job_ = job_id;
+  t->name_ = name;
+  t->rank_ = rank;
+  t->opts_ = opts;
+  t->opts_.runtime_dir = nullptr;
+  t->spin_ns_ = opts.spin_ns;
+  if ((st = t->connect()) != BB_OK) return st;
+  *out = std::move(t);
+  return BB_OK;
+}
+
+Task::~Task() {
+  if (sock_ && !finished_) {
+    if (epoch_ != 0) ack(epoch_, false);
+    page_->state.store(uint32_t(shm::TaskRunState::kFinished), std::memory_order_release);
+  }
+  release();
+}
+
+void Task::release() {
+  ctl_ = nullptr;
+  page_ = nullptr;
+  hub_.base = nullptr;
+  page_map_.reset();
+  hub_map_.reset();
+  sock_.reset();
+  epoch_ = 0;
+  report_cached_head_ = 0;
+}
+
+bb_status Task::connect() {
+  std::string path;
+  bb_status st = hub_paths(dir_, job_.c_str(), rank_, &path, nullptr);
+  if (st != BB_OK) return st;
+  shm::Fd s(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  if (!s) return fail(BB_E_SYSTEM, "socket() failed: %s", std::strerror(errno));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
+  if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    if (errno == ENOENT || errno == ECONNREFUSED)
+      return fail(BB_E_NOT_FOUND, "no trainer serves hub %s.%u (%s %s): start the trainer first, "
+                  "and give both the same job id, rank and runtime directory", job_.c_str(), rank_,
+                  path.c_str(), errno == ENOENT ? "does not exist" : "is left from a dead trainer");
+    if (errno == EACCES)
+      return fail(BB_E_PERMISSION, "no permission to connect to hub socket %s: run the task as "
+                  "the trainer's user", path.c_str());
+    return fail(BB_E_SYSTEM, "cannot connect to hub socket %s: %s", path.c_str(),
+                std::strerror(errno));
+  }
+  // Only a trainer of our own uid (or root) may hand us memory to map.
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  if (getsockopt(s.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 ||
+      (cred.uid != geteuid() && cred.uid != 0))
+    return fail(BB_E_PERMISSION, "hub socket %s is served by uid %u, not by our uid %u: refusing "
+                "to attach", path.c_str(), cred.uid, unsigned(geteuid()));
+  // A trainer that accepts but never answers must not hang the attach.
+  timeval tv{5, 0};
+  setsockopt(s.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+
+  auto m = shm::make_msg<shm::AttachTaskMsg>(shm::MsgType::kAttachTask);
+  m.priority = opts_.priority;
+  m.pid = int32_t(getpid());
+  m.mem_need = opts_.mem_need;
+  m.min_step_ns = opts_.min_step_ns;
+  std::snprintf(m.name, sizeof m.name, "%s", name_.c_str());
+  if (int e = shm::send_msg(s.get(), &m, sizeof m, nullptr, 0))
+    return fail(BB_E_SYSTEM, "cannot send the attach request to %s: %s", path.c_str(),
+                std::strerror(e));
+  alignas(8) char buf[shm::kWireMaxMessage];
+  int fds[2], nfds;
+  const long n = shm::recv_msg(s.get(), buf, fds, &nfds);
+  shm::Fd hub_fd(fds[0]), page_fd(fds[1]);
+  if (n == -EAGAIN || n == -EWOULDBLOCK)
+    return fail(BB_E_TIMEOUT, "the trainer at %s did not answer the attach request within 5 s",
+                path.c_str());
+  if (n <= 0)
+    return fail(BB_E_TRAINER_GONE, "the trainer at %s closed the connection during attach",
+                path.c_str());
+  shm::MsgHeader h{};
+  std::memcpy(&h, buf, std::min(sizeof h, size_t(n)));
+  if (h.magic == shm::kWireMagic && h.version != shm::kWireVersion)
+    return fail(BB_E_VERSION, "the trainer speaks hub protocol %u but this libbubble speaks %u: "
+                "build both against the same libbubble release", h.version, shm::kWireVersion);
+  if (!shm::check_msg(buf, n, shm::MsgType::kAttachReply, sizeof(shm::AttachReplyMsg)))
+    return fail(BB_E_VERSION, "the peer at %s answered with a malformed attach reply: it is not "
+                "a compatible libbubble trainer", path.c_str());
+  shm::AttachReplyMsg r;
+  std::memcpy(&r, buf, sizeof r);
+  r.error[sizeof r.error - 1] = 0;
+  if (r.status != BB_OK) return fail_msg(bb_status(r.status), r.error);
+  if (nfds != 2) return fail(BB_E_CORRUPT, "the trainer's attach reply lacks its segments");
+
+  // Map the hub read-only and check it before reading anything else from it.
+  std::string err;
+  const int64_t hub_size = shm::segment_size(hub_fd.get());
+  if (hub_size < int64_t(sizeof(shm::HubHeader)) || uint64_t(hub_size) != r.hub_size)
+    return fail(BB_E_CORRUPT, "the hub segment's size (%lld bytes) does not match the trainer's "
+                "reply (%llu bytes)", (long long)hub_size, (unsigned long long)r.hub_size);
+  shm::Mapping hub = shm::map_segment(hub_fd.get(), size_t(hub_size), false, &err);
+  if (!hub) return fail_msg(BB_E_SYSTEM, err);
+  if (!shm::validate_hub(hub.data(), uint64_t(hub_size), &err))
+    return fail_msg(err.find("version") != std::string::npos ? BB_E_VERSION : BB_E_CORRUPT, err);
+  if (shm::segment_size(page_fd.get()) != int64_t(shm::kTaskPageSize))
+    return fail(BB_E_CORRUPT, "the task page from the trainer has the wrong size");
+  shm::Mapping page = shm::map_segment(page_fd.get(), shm::kTaskPageSize, true, &err);
+  if (!page) return fail_msg(BB_E_SYSTEM, err);
+  shm::HubView view{hub.data()};
+  if (r.slot >= view.header()->max_slots)
+    return fail(BB_E_CORRUPT, "the trainer assigned slot %u of %u", r.slot,
+                view.header()->max_slots);
+
+  sock_ = std::move(s);
+  hub_map_ = std::move(hub);
+  page_map_ = std::move(page);
+  hub_ = view;
+  slot_ = r.slot;
+  ctl_ = hub_.slot(slot_);
+  page_ = reinterpret_cast<shm::TaskPage*>(page_map_.data());
+  page_->state.store(uint32_t(shm::TaskRunState::kIdle), std::memory_order_release);
+  epoch_ = 0;
+  report_cached_head_ = 0;
+  return BB_OK;
+}
+
+bool Task::trainer_gone() {
+  if (!sock_) return true;
+  if (hub_.stats()->closing.load(std::memory_order_acquire)) return true;
+  pollfd p{sock_.get(), POLLIN, 0};
+  if (poll(&p, 1, 0) <= 0) return false;
+  if (p.revents & (POLLHUP | POLLERR)) return true;
+  char c;
+  return recv(sock_.get(), &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+}
+
+bb_status Task::reattach() {
+  release();
+  if (opts_.on_trainer_exit != BB_ON_TRAINER_EXIT_WAIT)
+    return fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u closed its hub or exited",
+                job_.c_str(), rank_);
+  const uint64_t until = now_ns() + opts_.reattach_timeout_ns;
+  for (;;) {
+    const bb_status st = connect();
+    if (st == BB_OK) return BB_OK;
+    if (st != BB_E_NOT_FOUND && st != BB_E_TRAINER_GONE) return st;
+    if (now_ns() >= until)
+      return fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u exited and no trainer reopened the "
+                  "hub within %llu ms", job_.c_str(), rank_,
+                  (unsigned long long)(opts_.reattach_timeout_ns / 1000000));
+    sleep_ns(kReattachPollNs);
+  }
+}
+
+void Task::push_report(shm::ReportType type, uint64_t a, uint64_t b) {
+  shm::Report r{uint32_t(type), epoch_, now_ns(), a, b};
+  if (shm::ring_push(page_->reports, ctl_->report_head, report_cached_head_, r) !=
+      shm::RingStatus::kOk)
+    page_->dropped.fetch_add(1, std::memory_order_relaxed);
+}
+
+void Task::ack(uint32_t epoch, bool yielded) {
+  const uint64_t now = now_ns();
+  // Pause latency counts from the trainer's pause request; a task that yields before the bubble
+  // ends has none (b = 1 marks it).
+  uint64_t latency = 0;
+  if (!yielded && ctl_->paused_epoch.load(std::memory_order_acquire) == epoch) {
+    const uint64_t req = ctl_->pause_requested_ns.load(std::memory_order_relaxed);
+    latency = now > req ? now - req : 0;
+  }
+  const uint32_t saved = epoch_;
+  epoch_ = epoch;
+  push_report(shm::ReportType::kPaused, latency, yielded ? 1 : 0);
+  epoch_ = saved;
+  page_->ack_ns.store(now, std::memory_order_relaxed);
+  page_->state.store(uint32_t(shm::TaskRunState::kIdle), std::memory_order_relaxed);
+  page_->acked_epoch.store(epoch, std::memory_order_release);
+}
+
+bb_status Task::ack_pause() {
+  if (!sock_) return fail(BB_E_TRAINER_GONE, "the task is not attached (its trainer went away)");
+  if (epoch_ == 0) return BB_OK;
+  // A task that acks while the bubble still runs is yielding the rest of it.
+  const bool yielded = ctl_->run_epoch.load(std::memory_order_acquire) == epoch_;
+  ack(epoch_, yielded);
+  epoch_ = 0;
+  return BB_OK;
+}
+
+bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
+  if (stopped_) return fail(BB_E_STOPPED, "the task was told to stop: finish and detach");
+  if (!sock_) {
+    bb_status st = reattach();
+    if (st != BB_OK) return st;
+  }
+  if (epoch_ != 0) ack_pause();  // waiting again means the previous run is over
+  const uint64_t start = now_ns();
+  const uint64_t until = timeout_ns < 0 ? UINT64_MAX : start + uint64_t(timeout_ns);
+  for (;;) {
+    const uint32_t bell = ctl_->doorbell.load(std::memory_order_acquire);
+    shm::Command cmd;
+    for (;;) {
+      const shm::RingStatus rs = shm::ring_pop(ctl_->commands, page_->cmd_head, &cmd);
+      if (rs == shm::RingStatus::kEmpty) break;
+      if (rs == shm::RingStatus::kCorrupt) {
+        release();
+        return fail(BB_E_CORRUPT, "the command channel from the trainer failed validation");
+      }
+      if (cmd.type == uint32_t(shm::CommandType::kStop)) stopped_ = true;
+      if (cmd.type != uint32_t(shm::CommandType::kStart)) continue;
+      if (ctl_->run_epoch.load(std::memory_order_acquire) != cmd.epoch) {
+        // The bubble ended before we woke: ack at once so the trainer may start us again.
+        ack(cmd.epoch, false);
+        continue;
+      }
+      epoch_ = cmd.epoch;
+      current_ = cmd;
+      page_->started_epoch.store(cmd.epoch, std::memory_order_relaxed);
+      page_->state.store(uint32_t(shm::TaskRunState::kRunning), std::memory_order_relaxed);
+      const uint64_t now = now_ns();
+      push_report(shm::ReportType::kStarted, now > cmd.begin_ns ? now - cmd.begin_ns : 0, 0);
+      if (out) {
+        out->kind = cmd.kind;
+        out->bubble_seq = cmd.bubble_seq;
+        out->begin_ns = cmd.begin_ns;
+        out->deadline_ns = cmd.deadline_ns;
+        out->free_mem = cmd.free_mem;
+      }
+      return BB_OK;
+    }
+    if (stopped_ || ctl_->stop.load(std::memory_order_acquire)) {
+      stopped_ = true;
+      return fail(BB_E_STOPPED, "the task was told to stop: finish and detach");
+    }
+    if (hub_.stats()->closing.load(std::memory_order_acquire)) {
+      bb_status st = reattach();
+      if (st != BB_OK) return st;
+      continue;
+    }
+    const uint64_t now = now_ns();
+    if (now >= until)
+      return fail(BB_E_TIMEOUT, "no bubble started this task within the timeout");
+
+    // Spin first (a start usually follows soon in a busy pipeline), then sleep.
+    const uint64_t spin = std::min<uint64_t>(spin_ns_, until - now);
+    if (shm::spin_until_changed(&ctl_->doorbell, bell, spin)) continue;
+    page_->sleeping.store(1, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the trainer's fence
+    const uint64_t slept_at = now_ns();
+    shm::WaitResult w = shm::WaitResult::kChanged;
+    if (ctl_->doorbell.load(std::memory_order_relaxed) == bell) {
+      const uint64_t left = until == UINT64_MAX ? UINT64_MAX : until - std::min(until, slept_at);
+      w = shm::futex_wait(&ctl_->doorbell, bell,
+                          int64_t(std::min<uint64_t>(left, kLivenessSliceNs)));
+    }
+    page_->sleeping.store(0, std::memory_order_relaxed);
+    // Adapt the spin: a wake soon after falling asleep says spinning a little longer would
+    // have caught it; a long sleep says spinning was wasted.
+    const uint64_t slept = now_ns() - slept_at;
+    if (w == shm::WaitResult::kChanged && slept < 2 * opts_.spin_ns)
+      spin_ns_ = std::min<uint64_t>(opts_.spin_ns, std::max<uint64_t>(spin_ns_ * 2, kMinSpinNs));
+    else
+      spin_ns_ = std::max<uint64_t>(spin_ns_ / 2, std::min<uint64_t>(kMinSpinNs, opts_.spin_ns));
+    if (w == shm::WaitResult::kTimeout && trainer_gone()) {
+      bb_status st = reattach();
+      if (st != BB_OK) return st;
+    }
+  }
+}
+
+bb_status Task::report_step(uint64_t step_ns) {
+  if (!sock_) return fail(BB_E_TRAINER_GONE, "the task is not attached (its trainer went away)");
+  ++steps_;
+  if (steps_ == 1) {
+    est_mean_ = step_ns;
+    est_dev_ = step_ns / 2;
+  } else {
+    const uint64_t diff = step_ns > est_mean_ ? step_ns - est_mean_ : est_mean_ - step_ns;
+    est_dev_ = est_dev_ - est_dev_ / 4 + diff / 4;
+    est_mean_ = est_mean_ - est_mean_ / 8 + step_ns / 8;
+  }
+  // The part of the step after the trainer asked us to pause ran outside the bubble.
+  uint64_t outside = 0;
+  if (epoch_ != 0 && ctl_->paused_epoch.load(std::memory_order_acquire) == epoch_) {
+    const uint64_t req = ctl_->pause_requested_ns.load(std::memory_order_relaxed);
+    const uint64_t now = now_ns(), began = now - std::min(now, step_ns);
+    if (now > req) outside = std::min(step_ns, now - std::max(req, began));
+  }
+  push_report(shm::ReportType::kStep, step_ns, outside);
+  return BB_OK;
+}
+
+void Task::time_left(uint64_t* left_ns, uint64_t* est_step_ns) const {
+  uint64_t left = 0;
+  if (epoch_ != 0 && !should_pause()) {
+    if (current_.deadline_ns == 0) {
+      left = UINT64_MAX;
+    } else {
+      const uint64_t now = now_ns();
+      left = current_.deadline_ns > now ? current_.deadline_ns - now : 0;
+    }
+  }
+  if (left_ns) *left_ns = left;
+  if (est_step_ns) *est_step_ns = steps_ ? est_mean_ + 2 * est_dev_ : 0;
+}
+
+void Task::finish_report(bool failed) {
+  if (!sock_ || finished_) return;
+  if (epoch_ != 0) ack_pause();
+  push_report(failed ? shm::ReportType::kFailed : shm::ReportType::kFinished, 0, 0);
+  page_->state.store(uint32_t(failed ? shm::TaskRunState::kFailed : shm::TaskRunState::kFinished),
+                     std::memory_order_release);
+  finished_ = true;
+}
+
+bb_status Task::run(const bb_task_callbacks_t& cbs) {
+  if (!cbs.step) return fail(BB_E_INVALID, "callbacks.step is NULL: the iterative runtime needs a "
+                             "step function");
+  void* user = cbs.user;
+  bb_status result = BB_OK;
+  std::string message;
+  auto failed_cb = [&](const char* which) {
+    result = fail(BB_E_CALLBACK, "the task's %s callback returned an error", which);
+  };
+  if (cbs.init && cbs.init(user) < 0) failed_cb("init");
+  bool done = false;
+  while (result == BB_OK && !done) {
+    bb_start_info_t info{sizeof info};
+    const bb_status st = wait_start(-1, &info);
+    if (st != BB_OK) {
+      result = st;
+      break;
+    }
+    if (cbs.resume && cbs.resume(user) < 0) {
+      failed_cb("resume");
+      break;
+    }
+    while (!should_pause()) {
+      bb_step_info_t si{sizeof si};
+      si.kind = info.kind;
+      si.bubble_seq = info.bubble_seq;
+      si.deadline_ns = info.deadline_ns;
+      si.free_mem = info.free_mem;
+      time_left(&si.time_left_ns, &si.est_step_ns);
+      // Start a step only when it is expected to end before the deadline.
+      const uint64_t need = si.est_step_ns ? si.est_step_ns : opts_.min_step_ns;
+      if (info.deadline_ns != 0 && need > si.time_left_ns) break;
+      const uint64_t t0 = now_ns();
+      const int rc = cbs.step(user, &si);
+      report_step(now_ns() - t0);
+      if (rc < 0) {
+        failed_cb("step");
+        break;
+      }
+      if (rc == BB_STEP_DONE) {
+        done = true;
+        break;
+      }
+    }
+    if (result == BB_OK && cbs.pause && cbs.pause(user) < 0) failed_cb("pause");
+    if (sock_) ack_pause();
+  }
+  message = last_error();
+  if (result != BB_E_TRAINER_GONE) finish_report(result != BB_OK && result != BB_E_STOPPED);
+  if (cbs.finish) cbs.finish(user, result);
+  if (result != BB_OK) fail_msg(result, message);
+  return result;
+}
+
+}  // namespace bb::core

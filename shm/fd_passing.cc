@@ -1,0 +1,220 @@
+#include "shm/fd_passing.h"
+
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+
+namespace bb::shm {
+namespace {
+
+constexpr size_t kMaxMessage = 64 * 1024;
+
+std::string errno_text(int err) { return std::string(strerror(err)); }
+
+// Big enough for kMaxPassedFds descriptors in one SCM_RIGHTS header, and aligned for cmsghdr.
+union ControlBuffer {
+  char buf[CMSG_SPACE(sizeof(int) * kMaxPassedFds)];
+  cmsghdr align;
+};
+
+void close_all(int* fds, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    if (fds[i] >= 0) ::close(fds[i]);
+    fds[i] = -1;
+  }
+}
+
+}  // namespace
+
+bb_status send_fds(int sock, const void* data, size_t len, const int* fds, size_t nfds,
+                   std::string* error) {
+  if (len == 0 || len > kMaxMessage || !data) {
+    *error = "send_fds needs 1.." + std::to_string(kMaxMessage) + " bytes of data, got " +
+             std::to_string(len) + ": an empty message would read as a closed socket";
+    return BB_E_INVALID;
+  }
+  if (nfds > kMaxPassedFds || (nfds && !fds)) {
+    *error = "send_fds can pass at most " + std::to_string(kMaxPassedFds) +
+             " descriptors in one message, got " + std::to_string(nfds) + ": split the message";
+    return BB_E_INVALID;
+  }
+  for (size_t i = 0; i < nfds; ++i) {
+    if (fds[i] < 0) {
+      *error = "send_fds got descriptor " + std::to_string(fds[i]) + " at index " +
+               std::to_string(i) + ": pass only open descriptors";
+      return BB_E_INVALID;
+    }
+  }
+  iovec iov{const_cast<void*>(data), len};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  ControlBuffer control;
+  if (nfds) {
+    std::memset(&control, 0, sizeof control);
+    msg.msg_control = control.buf;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+    std::memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+  }
+  for (;;) {
+    ssize_t n = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
+    if (n >= 0) {
+      if (static_cast<size_t>(n) != len) {
+        // Only a stream socket sends part of a message; the descriptors went with the first byte.
+        *error = "send_fds sent " + std::to_string(n) + " of " + std::to_string(len) +
+                 " bytes: use a SOCK_SEQPACKET socket so messages stay whole";
+        return BB_E_SYSTEM;
+      }
+      return BB_OK;
+    }
+    if (errno == EINTR) continue;
+    int err = errno;
+    if (err == EAGAIN || err == EWOULDBLOCK) {
+      *error = "the socket's send buffer is full: the peer is not reading; retry later";
+      return BB_E_BUSY;
+    }
+    *error = "sendmsg of " + std::to_string(nfds) + " descriptor(s) failed: " + errno_text(err) +
+             (err == EPIPE || err == ECONNRESET ? " (the peer closed the socket)" : "");
+    return BB_E_SYSTEM;
+  }
+}
+
+bb_status recv_fds(int sock, void* data, size_t cap, size_t* len, int* fds, size_t max_fds,
+                   size_t* nfds, std::string* error) {
+  *len = 0;
+  *nfds = 0;
+  if (!data || cap == 0 || max_fds > kMaxPassedFds || (max_fds && !fds)) {
+    *error = "recv_fds needs a data buffer and at most " + std::to_string(kMaxPassedFds) +
+             " descriptor slots";
+    return BB_E_INVALID;
+  }
+  for (size_t i = 0; i < max_fds; ++i) fds[i] = -1;
+  iovec iov{data, cap};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  // Room for exactly max_fds descriptors: any more and the kernel sets MSG_CTRUNC and drops the
+  // excess, which we report. With max_fds == 0 there is still a control buffer of zero length,
+  // so a peer that sends descriptors anyway is caught the same way.
+  ControlBuffer control;
+  msg.msg_control = control.buf;
+  msg.msg_controllen = max_fds ? CMSG_SPACE(sizeof(int) * max_fds) : 0;
+  if (!max_fds) msg.msg_control = nullptr;
+  ssize_t n;
+  for (;;) {
+    n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+    if (n >= 0) break;
+    if (errno == EINTR) continue;
+    int err = errno;
+    if (err == EAGAIN || err == EWOULDBLOCK) {
+      *error = "no message is waiting on the socket";
+      return BB_E_TIMEOUT;
+    }
+    *error = "recvmsg failed: " + errno_text(err);
+    return BB_E_SYSTEM;
+  }
+  // Collect every SCM_RIGHTS descriptor first so that nothing leaks on any failure below.
+  size_t got = 0;
+  bool foreign = false;
+  size_t dropped = 0;
+  for (cmsghdr* c = msg.msg_controllen ? CMSG_FIRSTHDR(&msg) : nullptr; c;
+       c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) {
+      foreign = true;
+      continue;
+    }
+    size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+      if (got < max_fds) {
+        fds[got++] = fd;
+      } else {
+        ::close(fd);
+        ++dropped;
+      }
+    }
+  }
+  if ((msg.msg_flags & MSG_CTRUNC) || dropped) {
+    close_all(fds, got);
+    *error = "a message carried more than the " + std::to_string(max_fds) +
+             " descriptor(s) expected; the peer does not follow the protocol, so the message was "
+             "discarded";
+    return BB_E_CORRUPT;
+  }
+  if (msg.msg_flags & MSG_TRUNC) {
+    close_all(fds, got);
+    *error = "a message was longer than the " + std::to_string(cap) +
+             " bytes expected; the peer does not follow the protocol, so the message was "
+             "discarded";
+    return BB_E_CORRUPT;
+  }
+  if (foreign) {
+    close_all(fds, got);
+    *error = "a message carried ancillary data other than descriptors; it was discarded";
+    return BB_E_CORRUPT;
+  }
+  *len = static_cast<size_t>(n);
+  *nfds = got;
+  return BB_OK;
+}
+
+bb_status pidfd_open_pid(pid_t pid, int* out, std::string* error) {
+  *out = -1;
+  long fd = ::syscall(SYS_pidfd_open, pid, 0);
+  if (fd < 0) {
+    int err = errno;
+    if (err == ENOSYS) {
+      *error = "pidfd_open is not available: libbubble needs Linux 5.3 or newer";
+      return BB_E_UNSUPPORTED;
+    }
+    *error = "pidfd_open(" + std::to_string(pid) + ") failed: " + errno_text(err) +
+             (err == ESRCH ? " (no such process)" : "");
+    return err == ESRCH ? BB_E_NOT_FOUND : BB_E_SYSTEM;
+  }
+  // pidfd_open returns close-on-exec descriptors already.
+  *out = static_cast<int>(fd);
+  return BB_OK;
+}
+
+bb_status pidfd_get_fd(int pidfd, int target_fd, int* out, std::string* error) {
+  *out = -1;
+  long fd = ::syscall(SYS_pidfd_getfd, pidfd, target_fd, 0);
+  if (fd < 0) {
+    int err = errno;
+    if (err == ENOSYS) {
+      *error = "pidfd_getfd is not available: it needs Linux 5.6 or newer; pass the descriptor "
+               "over the Unix socket instead";
+      return BB_E_UNSUPPORTED;
+    }
+    if (err == EPERM) {
+      *error = "pidfd_getfd was refused: taking a descriptor needs ptrace access to the process "
+               "(same user, and with Yama ptrace_scope=1 an ancestor of it); pass the descriptor "
+               "over the Unix socket instead";
+      return BB_E_PERMISSION;
+    }
+    *error = "pidfd_getfd of descriptor " + std::to_string(target_fd) + " failed: " +
+             errno_text(err) + (err == EBADF ? " (the process has no such descriptor)" : "") +
+             (err == ESRCH ? " (the process has exited)" : "");
+    return err == ESRCH ? BB_E_NOT_FOUND : BB_E_SYSTEM;
+  }
+  // The kernel sets close-on-exec on the new descriptor.
+  *out = static_cast<int>(fd);
+  return BB_OK;
+}
+
+}  // namespace bb::shm

@@ -1,0 +1,31 @@
+// Futex waits and wakes on words in shared memory (never FUTEX_PRIVATE: the waiter and the
+// waker are different processes). A wait on a read-only mapping is allowed by the kernel.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+namespace bb::shm {
+
+enum class WaitResult { kChanged, kTimeout, kInterrupted };
+
+// Sleeps while *word == expected, at most timeout_ns (< 0: no limit). Returns kChanged when the
+// word differed or a wake arrived (the caller rechecks), kTimeout, or kInterrupted on a signal.
+WaitResult futex_wait(const std::atomic<uint32_t>* word, uint32_t expected, int64_t timeout_ns);
+
+// Wakes up to `count` sleepers on word. Returns how many were woken (0 if none slept).
+int futex_wake(std::atomic<uint32_t>* word, int count);
+
+// Spins up to spin_ns for *word != expected (a pause instruction between loads). Returns true
+// when it changed.
+bool spin_until_changed(const std::atomic<uint32_t>* word, uint32_t expected, uint64_t spin_ns);
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#endif
+}
+
+}  // namespace bb::shm

@@ -1,0 +1,226 @@
+// The hub: the shared-memory layout that is the contract between a trainer, its side tasks and
+// observers. Everything here crosses process (and libbubble version) boundaries, so:
+//   - offsets, never pointers; fixed-width integers; every atomic is always lock-free;
+//   - a header (magic, layout version, sizes) lets a reader reject what it does not understand;
+//   - the hub segment is written by the trainer process only and is mapped read-only into tasks
+//     (a memfd sealed with F_SEAL_FUTURE_WRITE, so it cannot be remapped writable);
+//   - each task writes only its own TaskPage, a separate memfd the trainer maps read-only and
+//     validates on every read.
+// Bump kLayoutVersion on any change to these structs.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "shm/ring.h"
+
+namespace bb::shm {
+
+constexpr uint64_t kHubMagic = 0x3142554842425542ull;   // "BUBBHUB1" little-endian
+constexpr uint64_t kPageMagic = 0x3147415042425542ull;  // "BUBBPAG1"
+constexpr uint32_t kLayoutVersion = 1;
+constexpr size_t kCacheLine = 64;
+constexpr size_t kNameBytes = 48;  // BB_NAME_MAX + NUL
+constexpr uint32_t kCommandRingSize = 16;
+constexpr uint32_t kReportRingSize = 64;
+
+static_assert(std::atomic<uint64_t>::is_always_lock_free);
+static_assert(std::atomic<uint32_t>::is_always_lock_free);
+
+struct HubHeader {
+  uint64_t magic;
+  uint32_t layout_version;
+  uint32_t header_size;
+  uint64_t layout_size;      // bytes of the whole segment
+  uint32_t max_slots;
+  uint32_t event_capacity;   // power of two
+  uint32_t slot_ctl_size;
+  uint32_t event_size;
+  uint64_t bubble_offset;
+  uint64_t stats_offset;
+  uint64_t slots_offset;
+  uint64_t events_offset;
+  int32_t creator_pid;
+  uint32_t creator_uid;
+  uint64_t created_ns;
+  uint32_t rank;
+  uint32_t task_page_size;
+  char job[kNameBytes];
+};
+
+// Bubble state, written by the trainer thread only. Readers that need a consistent view
+// (observers) use `version` as a seqlock: odd while the trainer writes.
+struct alignas(kCacheLine) BubbleState {
+  std::atomic<uint64_t> version;
+  std::atomic<uint64_t> seq;          // bubbles begun so far; the open one's number while open
+  std::atomic<uint32_t> open;
+  std::atomic<uint32_t> kind;
+  std::atomic<uint64_t> begin_ns;
+  std::atomic<uint64_t> end_ns;       // of the last closed bubble
+  std::atomic<uint64_t> deadline_ns;  // 0 = unknown
+  std::atomic<uint64_t> free_mem;
+  std::atomic<uint64_t> bubbles;      // closed bubbles
+  std::atomic<uint64_t> bubble_ns;    // their summed length
+};
+
+// Hub-wide counters kept by the trainer's hub service (drained from task reports).
+struct alignas(kCacheLine) HubStats {
+  std::atomic<uint64_t> starts;
+  std::atomic<uint64_t> pauses;
+  std::atomic<uint64_t> steps;
+  std::atomic<uint64_t> ns_in_bubbles;
+  std::atomic<uint64_t> ns_outside;
+  std::atomic<uint64_t> reclaimed;
+  std::atomic<uint64_t> bad;
+  std::atomic<uint64_t> dropped;
+  std::atomic<uint64_t> wakes;
+  std::atomic<uint32_t> attached;
+  std::atomic<uint32_t> closing;      // the trainer is closing the hub
+};
+
+enum class CommandType : uint32_t { kNone = 0, kStart = 1, kPause = 2, kStop = 3, kRevoke = 4 };
+
+struct Command {
+  uint32_t type;       // CommandType
+  uint32_t epoch;      // the run epoch this command belongs to
+  uint64_t bubble_seq;
+  uint64_t begin_ns;
+  uint64_t deadline_ns;
+  uint64_t free_mem;
+  uint32_t kind;
+  uint32_t reserved;
+  uint64_t grant_id;
+  uint64_t arg;
+};
+static_assert(sizeof(Command) == 64);
+
+enum class ReportType : uint32_t {
+  kNone = 0, kStarted = 1, kPaused = 2, kStep = 3, kFinished = 4, kFailed = 5
+};
+
+struct Report {
+  uint32_t type;       // ReportType
+  uint32_t epoch;
+  uint64_t ts_ns;
+  uint64_t a;          // kStarted: start latency; kPaused: pause latency; kStep: duration
+  uint64_t b;          // kStep: part of the duration past the bubble's end
+};
+static_assert(sizeof(Report) == 32);
+
+enum class SlotState : uint32_t { kFree = 0, kActive = 1, kDead = 2 };
+
+// One task slot as the trainer process writes it (read-only to the task).
+struct alignas(kCacheLine) SlotCtl {
+  // Signalling words, read by the task on every wait and should_pause.
+  std::atomic<uint32_t> doorbell;    // futex word: bumped after every command and stop
+  std::atomic<uint32_t> run_epoch;   // nonzero while the task may run; the task compares
+  std::atomic<uint32_t> stop;        // 1: finish and detach
+  std::atomic<uint32_t> state;       // SlotState
+  std::atomic<uint32_t> generation;  // bumped on every attach to this slot
+  uint32_t reserved0;
+  std::atomic<uint64_t> report_head; // consumer index of the task's report ring
+  std::atomic<uint64_t> pause_requested_ns;
+  std::atomic<uint64_t> started_ns;  // when the trainer last started it
+  std::atomic<uint32_t> paused_epoch;  // the epoch pause_requested_ns belongs to
+  std::atomic<uint32_t> bad;
+  std::atomic<uint32_t> given_epoch;   // the last run epoch the trainer started the task with
+  uint32_t reserved1;
+  // Identity, written before state becomes kActive.
+  int32_t pid;
+  int32_t priority;
+  uint64_t mem_need;
+  uint64_t min_step_ns;
+  char name[kNameBytes];
+  // Per-task totals kept by the hub service from validated reports.
+  std::atomic<uint64_t> steps;
+  std::atomic<uint64_t> step_ns;
+  std::atomic<uint64_t> ns_in_bubbles;
+  std::atomic<uint64_t> ns_outside;
+  // Command channel: the trainer produces, the task consumes (its index is TaskPage::cmd_head).
+  RingData<Command, kCommandRingSize> commands;
+};
+
+enum class TaskRunState : uint32_t { kIdle = 0, kRunning = 1, kFinished = 2, kFailed = 3 };
+
+// The page a task writes. Nothing in it is trusted by the trainer.
+struct alignas(kCacheLine) TaskPage {
+  uint64_t magic;
+  uint32_t layout_version;
+  uint32_t slot;
+  alignas(kCacheLine) std::atomic<uint32_t> sleeping;      // 1 while in (or entering) futex wait
+  std::atomic<uint32_t> state;                             // TaskRunState
+  std::atomic<uint32_t> acked_epoch;                       // last run epoch it acked a pause for
+  std::atomic<uint32_t> started_epoch;
+  std::atomic<uint64_t> cmd_head;                          // consumer index of commands
+  std::atomic<uint64_t> ack_ns;
+  std::atomic<uint64_t> dropped;                           // reports lost to a full ring
+  // Report channel: the task produces, the trainer's hub service consumes (SlotCtl::report_head).
+  RingData<Report, kReportRingSize> reports;
+};
+
+enum class EventKind : uint16_t {
+  kBubbleBegin = 1, kBubbleEnd = 2, kTaskStart = 3, kTaskPause = 4, kTaskStep = 5,
+  kTaskAttach = 6, kTaskDetach = 7, kTaskFinish = 8,
+};
+
+// The bounded event log: a ring the trainer process appends to (several threads, one atomic
+// fetch_add each), read by observers. `commit` is written last: (index + 1) low 32 bits.
+struct alignas(32) EventEntry {
+  std::atomic<uint32_t> commit;
+  uint16_t kind;
+  uint16_t slot;
+  uint64_t ts_ns;
+  uint64_t a;
+  uint64_t b;
+};
+static_assert(sizeof(EventEntry) == 32);
+
+struct alignas(kCacheLine) EventLog {
+  std::atomic<uint64_t> next;  // index of the next entry to write
+};
+
+// Where everything sits for a given slot count and event capacity.
+struct HubGeometry {
+  uint32_t max_slots;
+  uint32_t event_capacity;
+  uint64_t bubble_offset, stats_offset, slots_offset, events_offset, entries_offset;
+  uint64_t layout_size;
+};
+HubGeometry hub_geometry(uint32_t max_slots, uint32_t event_capacity);
+
+constexpr size_t kTaskPageSize = 4096;
+static_assert(sizeof(TaskPage) <= kTaskPageSize);
+
+// Typed views over a mapped hub (base must point at a validated hub).
+struct HubView {
+  unsigned char* base = nullptr;
+  const HubHeader* header() const { return reinterpret_cast<const HubHeader*>(base); }
+  HubHeader* header_rw() const { return reinterpret_cast<HubHeader*>(base); }
+  BubbleState* bubble() const {
+    return reinterpret_cast<BubbleState*>(base + header()->bubble_offset);
+  }
+  HubStats* stats() const { return reinterpret_cast<HubStats*>(base + header()->stats_offset); }
+  SlotCtl* slot(uint32_t i) const {
+    return reinterpret_cast<SlotCtl*>(base + header()->slots_offset) + i;
+  }
+  EventLog* events() const { return reinterpret_cast<EventLog*>(base + header()->events_offset); }
+  EventEntry* event_entries() const {
+    return reinterpret_cast<EventEntry*>(base + header()->events_offset + sizeof(EventLog));
+  }
+};
+
+// Writes a fresh header for the geometry (the rest of the segment must be zero).
+void init_hub(unsigned char* base, const HubGeometry& g, const char* job, uint32_t rank);
+
+// Checks a mapped hub of `mapped_size` bytes written by another process: magic, version, sizes
+// and offsets all consistent and in bounds. On failure returns false and sets *error to a
+// sentence naming the problem (and the fix for a version mismatch).
+bool validate_hub(const unsigned char* base, uint64_t mapped_size, std::string* error);
+
+// Appends to the event log (any thread of the trainer process; lock-free, bounded).
+void log_event(const HubView& hub, EventKind kind, uint16_t slot, uint64_t ts_ns, uint64_t a,
+               uint64_t b);
+
+}  // namespace bb::shm

@@ -1,0 +1,94 @@
+// The attach protocol on a hub's socket (SOCK_SEQPACKET: each message arrives whole or not at
+// all). Fixed-size little structs, checked field by field by the receiver; descriptors travel
+// with SCM_RIGHTS. This is how a task or an observer obtains the hub segment (read-only) and
+// its own task page, and how the trainer learns that a peer went away (the connection closes).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "shm/layout.h"
+
+namespace bb::shm {
+
+constexpr uint32_t kWireMagic = 0x52574242;  // "BBWR"
+constexpr uint16_t kWireVersion = 1;
+constexpr size_t kWireErrorBytes = 200;
+constexpr size_t kWireMaxMessage = 512;
+
+enum class MsgType : uint16_t {
+  kAttachTask = 1,      // task -> trainer
+  kAttachObserver = 2,  // observer -> trainer
+  kAttachReply = 3,     // trainer -> task/observer; fds: hub [, task page]
+  kStopTask = 4,        // observer -> trainer
+  kGetTaskPage = 5,     // observer -> trainer
+  kReply = 6,           // trainer -> observer; fds: [task page]
+};
+
+struct MsgHeader {
+  uint32_t magic;
+  uint16_t version;
+  uint16_t type;
+  uint32_t size;  // bytes of the whole message
+  uint32_t reserved;
+};
+
+struct AttachTaskMsg {
+  MsgHeader h;
+  int32_t priority;
+  int32_t pid;
+  uint64_t mem_need;
+  uint64_t min_step_ns;
+  char name[kNameBytes];
+};
+
+struct AttachObserverMsg {
+  MsgHeader h;
+};
+
+struct AttachReplyMsg {
+  MsgHeader h;
+  int32_t status;  // bb_status
+  uint32_t slot;
+  uint32_t generation;
+  uint32_t layout_version;
+  uint64_t hub_size;
+  char error[kWireErrorBytes];
+};
+
+struct SlotRequestMsg {
+  MsgHeader h;
+  uint32_t slot;
+  uint32_t generation;
+};
+
+struct ReplyMsg {
+  MsgHeader h;
+  int32_t status;
+  uint32_t reserved;
+  char error[kWireErrorBytes];
+};
+
+template <typename M>
+M make_msg(MsgType type) {
+  M m{};
+  m.h.magic = kWireMagic;
+  m.h.version = kWireVersion;
+  m.h.type = uint16_t(type);
+  m.h.size = sizeof(M);
+  return m;
+}
+
+// Sends one message with up to 2 descriptors. Returns 0 or an errno value.
+int send_msg(int sock, const void* msg, size_t size, const int* fds, int nfds);
+
+// Receives one message (blocking per the socket's mode) into buf (kWireMaxMessage bytes) and
+// up to 2 descriptors (CLOEXEC; unused slots set to -1). Returns the message size, 0 on EOF, or
+// -errno. A truncated message or descriptor list gives -EMSGSIZE and closes what came with it.
+long recv_msg(int sock, void* buf, int* fds, int* nfds);
+
+// Checks magic, version, type and size of a received message. Returns false when it is not a
+// well-formed message of that type.
+bool check_msg(const void* buf, long got, MsgType type, size_t size);
+
+}  // namespace bb::shm

@@ -1,0 +1,155 @@
+// Test harness for real processes: children that are always killed and reaped (even when a
+// test fails half way), their stdout read line by line with deadlines, and a private runtime
+// directory that must be empty again at the end.
+#pragma once
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern char** environ;
+
+namespace bbtest {
+
+inline std::set<std::string> list_dir(const std::string& dir) {
+  std::set<std::string> out;
+  if (DIR* d = opendir(dir.c_str())) {
+    while (dirent* e = readdir(d))
+      if (std::strcmp(e->d_name, ".") && std::strcmp(e->d_name, "..")) out.insert(e->d_name);
+    closedir(d);
+  }
+  return out;
+}
+
+// A child process with its stdout on a pipe. The destructor SIGKILLs and reaps it.
+class Child {
+ public:
+  explicit Child(const std::vector<std::string>& argv) {
+    int p[2];
+    if (pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe2");
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_adddup2(&fa, p[1], 1);
+    std::vector<char*> args;
+    for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    const int rc = posix_spawn(&pid_, args[0], &fa, nullptr, args.data(), environ);
+    posix_spawn_file_actions_destroy(&fa);
+    close(p[1]);
+    out_ = p[0];
+    if (rc != 0) {
+      close(out_);
+      throw std::runtime_error("posix_spawn " + argv[0] + ": " + std::strerror(rc));
+    }
+  }
+  ~Child() {
+    if (pid_ > 0 && !exited_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_ >= 0) close(out_);
+  }
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+
+  pid_t pid() const { return pid_; }
+
+  // Waits for a stdout line starting with prefix; returns it ("" on timeout or EOF).
+  std::string wait_line(const std::string& prefix, int timeout_ms = 10000) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    for (;;) {
+      size_t nl;
+      while ((nl = buf_.find('\n')) != std::string::npos) {
+        std::string line = buf_.substr(0, nl);
+        buf_.erase(0, nl + 1);
+        lines_.push_back(line);
+        if (line.compare(0, prefix.size(), prefix) == 0) return line;
+      }
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          until - std::chrono::steady_clock::now()).count();
+      if (left <= 0) return "";
+      pollfd pf{out_, POLLIN, 0};
+      if (poll(&pf, 1, int(left)) <= 0) continue;
+      char tmp[4096];
+      const ssize_t n = read(out_, tmp, sizeof tmp);
+      if (n <= 0) return "";
+      buf_.append(tmp, size_t(n));
+    }
+  }
+  const std::vector<std::string>& lines() const { return lines_; }
+
+  void signal(int sig) { kill(pid_, sig); }
+
+  // Waits up to timeout_ms for the exit; returns the wait status or -1 on timeout.
+  int wait_exit(int timeout_ms = 10000) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    for (;;) {
+      int status;
+      const pid_t r = waitpid(pid_, &status, WNOHANG);
+      if (r == pid_) {
+        exited_ = true;
+        return status;
+      }
+      if (std::chrono::steady_clock::now() >= until) return -1;
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    }
+  }
+
+ private:
+  pid_t pid_ = -1;
+  int out_ = -1;
+  bool exited_ = false;
+  std::string buf_;
+  std::vector<std::string> lines_;
+};
+
+// A private runtime directory, set as BUBBLE_RUNTIME_DIR for this process and its children.
+class RuntimeDir {
+ public:
+  RuntimeDir() {
+    char tmpl[] = "/tmp/bbtest-XXXXXX";
+    if (!mkdtemp(tmpl)) throw std::runtime_error("mkdtemp");
+    path_ = tmpl;
+    setenv("BUBBLE_RUNTIME_DIR", path_.c_str(), 1);
+  }
+  ~RuntimeDir() {
+    for (auto& f : list_dir(path_)) unlink((path_ + "/" + f).c_str());
+    rmdir(path_.c_str());
+    unsetenv("BUBBLE_RUNTIME_DIR");
+  }
+  const std::string& path() const { return path_; }
+  std::set<std::string> files() const { return list_dir(path_); }
+
+ private:
+  std::string path_;
+};
+
+// Polls cond every millisecond until it holds or timeout_ms passes. For waiting on another
+// process's progress, where there is no event to wait on in the test process itself.
+template <typename F>
+bool eventually(F&& cond, int timeout_ms = 10000) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (!cond()) {
+    if (std::chrono::steady_clock::now() >= until) return cond();
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
+inline std::set<std::string> dev_shm() { return list_dir("/dev/shm"); }
+
+}  // namespace bbtest

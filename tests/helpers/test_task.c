@@ -1,0 +1,117 @@
+/* A side task for the multi-process tests, written against the public C ABI only.
+ *
+ *   bb_test_task JOB RANK NAME MODE [options]
+ *   MODE: iterative   bb_task_run with busy steps of --step-us
+ *         imperative  bb_task_wait_start / should_pause / ack_pause loop
+ *         ignore      attaches and then never reads a command or acks (a hung task)
+ *         attach-only attaches, prints ATTACHED, sleeps until killed
+ *   --step-us N, --prio N, --mem N, --min-step-us N, --max-steps N (then BB_STEP_DONE),
+ *   --wait (re-attach when the trainer goes away), --reattach-ms N
+ *
+ * It prints "ATTACHED slot-ok" once attached, "STARTED <seq>" for every start (imperative),
+ * and a last line "RESULT <status name> steps=<n> starts=<n>". Exit code 0 unless attach failed
+ * (2, with the library's message on stderr).
+ */
+#include <bubble/bubble.h>
+
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static uint64_t step_ns = 200000;
+static uint64_t max_steps = 0;
+static uint64_t steps = 0, starts = 0;
+static volatile uint64_t sink;
+
+static void busy(uint64_t ns) {
+  const uint64_t until = bb_now_ns() + ns;
+  while (bb_now_ns() < until) sink++;
+}
+
+static int on_step(void *user, const bb_step_info_t *info) {
+  (void)user;
+  (void)info;
+  busy(step_ns);
+  ++steps;
+  return max_steps && steps >= max_steps ? BB_STEP_DONE : BB_STEP_CONTINUE;
+}
+
+static int on_resume(void *user) {
+  (void)user;
+  ++starts;
+  return 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc < 5) {
+    fprintf(stderr, "usage: %s JOB RANK NAME MODE [options]\n", argv[0]);
+    return 64;
+  }
+  const char *job = argv[1], *name = argv[3], *mode = argv[4];
+  const uint32_t rank = (uint32_t)strtoul(argv[2], NULL, 10);
+  bb_task_options_t opts;
+  bb_task_options_init(&opts);
+  for (int i = 5; i < argc; ++i) {
+    const char *a = argv[i];
+    const char *v = i + 1 < argc ? argv[i + 1] : "0";
+    if (!strcmp(a, "--step-us")) step_ns = strtoull(v, NULL, 10) * 1000, ++i;
+    else if (!strcmp(a, "--prio")) opts.priority = atoi(v), ++i;
+    else if (!strcmp(a, "--mem")) opts.mem_need = strtoull(v, NULL, 10), ++i;
+    else if (!strcmp(a, "--min-step-us")) opts.min_step_ns = strtoull(v, NULL, 10) * 1000, ++i;
+    else if (!strcmp(a, "--max-steps")) max_steps = strtoull(v, NULL, 10), ++i;
+    else if (!strcmp(a, "--wait")) opts.on_trainer_exit = BB_ON_TRAINER_EXIT_WAIT;
+    else if (!strcmp(a, "--reattach-ms")) opts.reattach_timeout_ns = strtoull(v, NULL, 10) * 1000000, ++i;
+    else {
+      fprintf(stderr, "unknown option %s\n", a);
+      return 64;
+    }
+  }
+  bb_task_h task;
+  bb_status st = bb_task_attach(job, rank, name, &opts, &task);
+  if (st != BB_OK) {
+    fprintf(stderr, "attach: %s: %s\n", bb_status_name(st), bb_last_error());
+    printf("RESULT %s steps=0 starts=0\n", bb_status_name(st));
+    return 2;
+  }
+  printf("ATTACHED\n");
+  fflush(stdout);
+
+  if (!strcmp(mode, "iterative")) {
+    bb_task_callbacks_t cbs;
+    bb_task_callbacks_init(&cbs);
+    cbs.step = on_step;
+    cbs.resume = on_resume;
+    st = bb_task_run(task, &cbs);
+  } else if (!strcmp(mode, "imperative")) {
+    for (;;) {
+      bb_start_info_t info = {sizeof info};
+      st = bb_task_wait_start(task, -1, &info);
+      if (st != BB_OK) break;
+      ++starts;
+      printf("STARTED %llu\n", (unsigned long long)info.bubble_seq);
+      fflush(stdout);
+      while (!bb_task_should_pause(task)) {
+        const uint64_t t0 = bb_now_ns();
+        busy(step_ns);
+        ++steps;
+        bb_task_report_step(task, bb_now_ns() - t0);
+      }
+      bb_task_ack_pause(task);
+    }
+  } else if (!strcmp(mode, "ignore")) {
+    for (;;) busy(1000000000ull);
+  } else if (!strcmp(mode, "attach-only")) {
+    for (;;) pause();
+  } else {
+    fprintf(stderr, "unknown mode %s\n", mode);
+    bb_task_detach(task);
+    return 64;
+  }
+  printf("RESULT %s steps=%llu starts=%llu\n", bb_status_name(st), (unsigned long long)steps,
+         (unsigned long long)starts);
+  if (st != BB_OK) fprintf(stderr, "%s\n", bb_last_error());
+  bb_task_detach(task);
+  return 0;
+}

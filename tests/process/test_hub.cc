@@ -1,0 +1,311 @@
+// Multi-process tests: a trainer (this process, or a bb_test_trainer child) and side tasks in
+// child processes, cooperating through a real hub.
+#include <bubble/bubble.h>
+#include <doctest/doctest.h>
+
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/observer.h"
+#include "tests/helpers/proc.h"
+
+using bbtest::Child;
+using bbtest::RuntimeDir;
+using bbtest::eventually;
+
+namespace {
+
+std::string task_bin() { return BB_TEST_TASK; }
+std::string trainer_bin() { return BB_TEST_TRAINER; }
+
+struct Trainer {
+  bb_trainer_h h = nullptr;
+  explicit Trainer(const char* job, uint32_t rank = 0, uint32_t max_slots = 64,
+                   uint32_t max_running = 1) {
+    bb_trainer_options_t o;
+    bb_trainer_options_init(&o);
+    o.max_slots = max_slots;
+    o.max_running = max_running;
+    const bb_status st = bb_trainer_open(job, rank, &o, &h);
+    INFO(bb_last_error());
+    REQUIRE(st == BB_OK);
+  }
+  ~Trainer() { bb_trainer_close(h); }
+  bb_trainer_stats_t stats() const {
+    bb_trainer_stats_t s{sizeof s};
+    bb_trainer_stats(h, &s);
+    return s;
+  }
+  std::vector<bb_task_info_t> tasks() const {
+    std::vector<bb_task_info_t> v(64);
+    for (auto& t : v) t.size = sizeof t;
+    size_t n = 0;
+    bb_trainer_tasks(h, v.data(), v.size(), &n);
+    v.resize(std::min<size_t>(n, 64));
+    return v;
+  }
+  // One bubble of `len_us` (the sleep stands for the GPU computing elsewhere), then a gap.
+  void bubble(uint64_t len_us = 2000, uint64_t gap_us = 500, uint64_t free_mem = BB_MEM_UNKNOWN) {
+    CHECK(bb_bubble_begin(h, len_us * 1000, free_mem, BB_BUBBLE_STEADY) == BB_OK);
+    std::this_thread::sleep_for(std::chrono::microseconds(len_us));
+    CHECK(bb_bubble_end(h) == BB_OK);
+    std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
+  }
+  // Runs bubbles until cond holds (or the limit), returning whether it held.
+  template <typename F>
+  bool bubbles_until(F&& cond, int max_bubbles = 4000) {
+    for (int i = 0; i < max_bubbles; ++i) {
+      if (cond()) return true;
+      bubble();
+    }
+    return cond();
+  }
+};
+
+std::vector<std::string> task_args(const std::string& job, const std::string& name,
+                                   const std::string& mode, std::vector<std::string> extra = {}) {
+  std::vector<std::string> a = {task_bin(), job, "0", name, mode};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+}  // namespace
+
+TEST_CASE("start_pause_stop_cycle") {
+  RuntimeDir dir;
+  const auto shm_before = bbtest::dev_shm();
+  {
+    Trainer t("cycle");
+    Child task(task_args("cycle", "worker", "iterative", {"--step-us", "200"}));
+    REQUIRE(task.wait_line("ATTACHED") != "");
+    REQUIRE(eventually([&] { return t.stats().tasks_attached == 1; }));
+    // Started and paused many times, and its steps land inside bubbles.
+    REQUIRE(t.bubbles_until([&] {
+      auto s = t.stats();
+      return s.starts >= 20 && s.steps >= 20;
+    }));
+    // Steps of 0.2 ms in 2 ms bubbles: the runtime stops starting steps that would not fit and
+    // yields, so nearly all of its time is inside bubbles.
+    auto s = t.stats();
+    CHECK(s.task_ns_in_bubbles > 0);
+    CHECK(s.task_ns_outside < s.task_ns_in_bubbles);
+    auto tasks = t.tasks();
+    REQUIRE(tasks.size() == 1);
+    CHECK(std::string(tasks[0].name) == "worker");
+    CHECK(tasks[0].pid == task.pid());
+    // Stop: the task finishes, reports BB_E_STOPPED and detaches; its slot is freed.
+    REQUIRE(bb_trainer_stop_task(t.h, tasks[0].id) == BB_OK);
+    CHECK(task.wait_line("RESULT").find("BB_E_STOPPED") != std::string::npos);
+    CHECK(task.wait_exit() == 0);
+    REQUIRE(t.bubbles_until([&] { return t.stats().tasks_reclaimed == 1; }, 200));
+    CHECK(t.stats().tasks_attached == 0);
+    CHECK(t.tasks().empty());
+  }
+  CHECK(dir.files().empty());
+  CHECK(bbtest::dev_shm() == shm_before);
+}
+
+TEST_CASE("imperative_task_sees_each_start_once") {
+  RuntimeDir dir;
+  Trainer t("imper");
+  Child task(task_args("imper", "loop", "imperative", {"--step-us", "100"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(eventually([&] { return t.stats().tasks_attached == 1; }));
+  REQUIRE(t.bubbles_until([&] { return t.stats().starts >= 12; }));
+  // Every STARTED line names a distinct, increasing bubble.
+  std::string line;
+  uint64_t last = 0;
+  int started = 0;
+  t.bubble();
+  while (!(line = task.wait_line("STARTED", 50)).empty()) {
+    const uint64_t seq = std::stoull(line.substr(8));
+    CHECK(seq > last);
+    last = seq;
+    ++started;
+  }
+  CHECK(started >= 1);
+  CHECK(uint64_t(started) <= t.stats().starts);
+  // An imperative task runs until told to pause: every bubble end signals it, and it acks.
+  const auto s = t.stats();
+  CHECK(s.pauses >= 10);
+  CHECK(eventually([&] { return t.stats().pause_latency_p50_ns > 0; }));
+}
+
+TEST_CASE("many_tasks_share_bubbles_round_robin") {
+  RuntimeDir dir;
+  Trainer t("many", 0, 64, 2);
+  std::vector<std::unique_ptr<Child>> kids;
+  for (int i = 0; i < 6; ++i)
+    kids.push_back(std::make_unique<Child>(
+        task_args("many", "t" + std::to_string(i), "iterative", {"--step-us", "100"})));
+  for (auto& k : kids) REQUIRE(k->wait_line("ATTACHED") != "");
+  REQUIRE(eventually([&] { return t.stats().tasks_attached == 6; }));
+  // Equal priorities: every task gets bubbles.
+  REQUIRE(t.bubbles_until([&] {
+    for (auto& ti : t.tasks())
+      if (ti.steps == 0) return false;
+    return true;
+  }));
+  CHECK(t.tasks().size() == 6);
+}
+
+TEST_CASE("task_killed_mid_step_is_reclaimed_and_trainer_goes_on") {
+  RuntimeDir dir;
+  const auto shm_before = bbtest::dev_shm();
+  Trainer t("kill");
+  // Long steps, so the kill lands inside one.
+  Child task(task_args("kill", "victim", "iterative", {"--step-us", "20000"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(eventually([&] { return t.stats().tasks_attached == 1; }));
+  REQUIRE(bb_bubble_begin(t.h, 100'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+  REQUIRE(eventually([&] { return t.stats().steps >= 1; }));
+  task.signal(SIGKILL);
+  CHECK(task.wait_exit() != -1);
+  CHECK(bb_bubble_end(t.h) == BB_OK);
+  REQUIRE(t.bubbles_until([&] { return t.stats().tasks_reclaimed == 1; }, 500));
+  CHECK(t.stats().tasks_attached == 0);
+  // The freed slot takes a new task.
+  Child again(task_args("kill", "next", "iterative", {"--step-us", "100"}));
+  REQUIRE(again.wait_line("ATTACHED") != "");
+  const uint64_t steps = t.stats().steps;
+  REQUIRE(t.bubbles_until([&] { return t.stats().steps > steps + 5; }));
+  CHECK(bbtest::dev_shm() == shm_before);
+}
+
+TEST_CASE("trainer_killed_task_exits_by_default") {
+  RuntimeDir dir;
+  Child trainer({trainer_bin(), "tk", "0"});
+  REQUIRE(trainer.wait_line("OPEN") != "");
+  Child task(task_args("tk", "w", "iterative", {"--step-us", "100"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  trainer.signal(SIGKILL);
+  CHECK(trainer.wait_exit() != -1);
+  CHECK(task.wait_line("RESULT").find("BB_E_TRAINER_GONE") != std::string::npos);
+  CHECK(task.wait_exit() == 0);
+}
+
+TEST_CASE("trainer_killed_task_waits_and_reattaches_to_restarted_trainer") {
+  RuntimeDir dir;
+  auto first = std::make_unique<Child>(std::vector<std::string>{trainer_bin(), "tw", "0"});
+  REQUIRE(first->wait_line("OPEN") != "");
+  Child task(task_args("tw", "patient", "iterative", {"--step-us", "100", "--wait"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  first->signal(SIGKILL);
+  CHECK(first->wait_exit() != -1);
+  first.reset();
+  // The dead trainer left its socket and lock file: the next trainer replaces them.
+  CHECK(!dir.files().empty());
+  Child second({trainer_bin(), "tw", "0"});
+  REQUIRE(second.wait_line("OPEN") != "");
+  std::unique_ptr<bb::core::HubObserver> obs;
+  std::string err;
+  REQUIRE(eventually([&] {
+    if (!obs && bb::core::HubObserver::open("", "tw", 0, &obs, &err) != BB_OK) return false;
+    auto snap = obs->snapshot();
+    return snap.tasks.size() == 1 && snap.tasks[0].name == "patient" && snap.tasks[0].steps > 0;
+  }));
+  obs.reset();
+  second.signal(SIGTERM);
+  CHECK(second.wait_line("CLOSED") != "");
+  CHECK(second.wait_exit() == 0);
+  // No trainer comes back this time: the task gives up after its re-attach timeout.
+  task.signal(SIGKILL);
+  CHECK(bbtest::eventually([&] { return dir.files().empty(); }));
+}
+
+TEST_CASE("second_trainer_for_the_same_hub_is_refused") {
+  RuntimeDir dir;
+  Trainer t("dup", 3);
+  bb_trainer_h other = nullptr;
+  CHECK(bb_trainer_open("dup", 3, nullptr, &other) == BB_E_BUSY);
+  CHECK(other == nullptr);
+  const std::string msg = bb_last_error();
+  CHECK(msg.find("already open by trainer pid " + std::to_string(getpid())) != std::string::npos);
+  // From another process too.
+  Child child({trainer_bin(), "dup", "3"});
+  CHECK(child.wait_line("FAILED").find("BB_E_BUSY") != std::string::npos);
+  CHECK(child.wait_exit() != -1);
+  // A different rank of the same job is a different hub.
+  bb_trainer_h rank4 = nullptr;
+  CHECK(bb_trainer_open("dup", 4, nullptr, &rank4) == BB_OK);
+  bb_trainer_close(rank4);
+}
+
+TEST_CASE("invalid_hub_names_are_refused_and_create_nothing") {
+  RuntimeDir dir;
+  const char* bad[] = {"", "../etc", "a/b", ".hidden", "space name", "x\n",
+                       "0123456789012345678901234567890123456789012345678"};
+  for (const char* job : bad) {
+    bb_trainer_h h = nullptr;
+    CHECK_MESSAGE(bb_trainer_open(job, 0, nullptr, &h) == BB_E_INVALID, job);
+    CHECK(std::string(bb_last_error()).find("job id") != std::string::npos);
+    bb_task_h task = nullptr;
+    CHECK(bb_task_attach(job, 0, "t", nullptr, &task) == BB_E_INVALID);
+  }
+  bb_trainer_h h = nullptr;
+  CHECK(bb_trainer_open("ok", 70000, nullptr, &h) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("rank 70000") != std::string::npos);
+  CHECK(bb_trainer_open(nullptr, 0, nullptr, &h) == BB_E_INVALID);
+  bb_task_h task = nullptr;
+  CHECK(bb_task_attach("ok", 0, "bad\x01name", nullptr, &task) == BB_E_INVALID);
+  CHECK(dir.files().empty());
+}
+
+TEST_CASE("attach_without_trainer_says_so") {
+  RuntimeDir dir;
+  bb_task_h task = nullptr;
+  CHECK(bb_task_attach("nobody", 0, "t", nullptr, &task) == BB_E_NOT_FOUND);
+  CHECK(std::string(bb_last_error()).find("start the trainer first") != std::string::npos);
+}
+
+TEST_CASE("full_slot_table_refuses_with_a_clear_error") {
+  RuntimeDir dir;
+  const auto shm_before = bbtest::dev_shm();
+  Trainer t("full", 0, 2);
+  Child a(task_args("full", "a", "attach-only"));
+  Child b(task_args("full", "b", "attach-only"));
+  REQUIRE(a.wait_line("ATTACHED") != "");
+  REQUIRE(b.wait_line("ATTACHED") != "");
+  Child c(task_args("full", "c", "attach-only"));
+  CHECK(c.wait_line("RESULT").find("BB_E_FULL") != std::string::npos);
+  CHECK(c.wait_exit() != -1);
+  bb_task_h task = nullptr;
+  CHECK(bb_task_attach("full", 0, "d", nullptr, &task) == BB_E_FULL);
+  CHECK(std::string(bb_last_error()).find("all 2 task slots in use") != std::string::npos);
+  CHECK(t.stats().tasks_attached == 2);
+  CHECK(bbtest::dev_shm() == shm_before);
+}
+
+TEST_CASE("hung_task_never_stalls_the_trainer") {
+  RuntimeDir dir;
+  Trainer t("hung", 0, 8, 1);
+  Child hung(task_args("hung", "hung", "ignore"));
+  Child good(task_args("hung", "good", "iterative", {"--step-us", "100"}));
+  REQUIRE(hung.wait_line("ATTACHED") != "");
+  REQUIRE(good.wait_line("ATTACHED") != "");
+  REQUIRE(eventually([&] { return t.stats().tasks_attached == 2; }));
+  // The hung task is started once, never acks, and is then skipped: the good task keeps
+  // getting every bubble, and every begin/end returns at once.
+  REQUIRE(t.bubbles_until([&] {
+    for (auto& ti : t.tasks())
+      if (std::string(ti.name) == "good" && ti.steps >= 300) return true;
+    return false;
+  }));
+  const auto s = t.stats();
+  CHECK(s.starts >= 10);
+  // The hung task is still attached, was started, and never acked the pause.
+  std::unique_ptr<bb::core::HubObserver> obs;
+  std::string err;
+  REQUIRE(bb::core::HubObserver::open("", "hung", 0, &obs, &err) == BB_OK);
+  int seen = 0;
+  for (auto& ti : obs->snapshot().tasks) {
+    if (ti.name != "hung") continue;
+    ++seen;
+    CHECK(ti.started);
+    CHECK(ti.steps == 0);
+    CHECK(ti.pause_requested_ns != 0);
+    CHECK(ti.pause_acked_ns == 0);
+  }
+  CHECK(seen == 1);
+}
