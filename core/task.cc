@@ -5,6 +5,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -196,11 +197,33 @@ bb_status Task::reattach() {
   }
 }
 
-void Task::push_report(shm::ReportType type, uint64_t a, uint64_t b) {
-  shm::Report r{uint32_t(type), epoch_, now_ns(), a, b};
-  if (shm::ring_push(page_->reports, ctl_->report_head, report_cached_head_, r) !=
+bool Task::flush_steps() {
+  if (pending_steps_.count == 0) return true;
+  if (shm::ring_push(page_->reports, ctl_->report_head, report_cached_head_, pending_steps_) !=
       shm::RingStatus::kOk)
-    page_->dropped.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  pending_steps_.count = 0;
+  return true;
+}
+
+void Task::push_report(shm::ReportType type, uint64_t a, uint64_t b) {
+  shm::Report r{uint16_t(type), 1, epoch_, now_ns(), a, b};
+  const bool flushed = flush_steps();
+  if (flushed && shm::ring_push(page_->reports, ctl_->report_head, report_cached_head_, r) ==
+                     shm::RingStatus::kOk)
+    return;
+  if (type == shm::ReportType::kStep && pending_steps_.count < UINT16_MAX) {
+    if (pending_steps_.count == 0) {
+      pending_steps_ = r;
+    } else {
+      pending_steps_.count++;
+      pending_steps_.ts_ns = r.ts_ns;
+      pending_steps_.a += a;
+      pending_steps_.b += b;
+    }
+    return;
+  }
+  page_->dropped.fetch_add(1, std::memory_order_relaxed);
 }
 
 void Task::ack(uint32_t epoch, bool yielded) {
@@ -317,7 +340,7 @@ bb_status Task::report_step(uint64_t step_ns) {
   ++steps_;
   if (steps_ == 1) {
     est_mean_ = step_ns;
-    est_dev_ = step_ns / 2;
+    est_dev_ = step_ns / 4;
   } else {
     const uint64_t diff = step_ns > est_mean_ ? step_ns - est_mean_ : est_mean_ - step_ns;
     est_dev_ = est_dev_ - est_dev_ / 4 + diff / 4;
@@ -379,6 +402,10 @@ bb_status Task::run(const bb_task_callbacks_t& cbs) {
       failed_cb("resume");
       break;
     }
+    // The longest recent bubble, forgetting slowly (a 1/64 decay per bubble).
+    const uint64_t len = info.deadline_ns > info.begin_ns ? info.deadline_ns - info.begin_ns : 0;
+    longest_bubble_ns_ = std::max(len, longest_bubble_ns_ - longest_bubble_ns_ / 64);
+    bool stepped = false;
     while (!should_pause()) {
       bb_step_info_t si{sizeof si};
       si.kind = info.kind;
@@ -388,7 +415,18 @@ bb_status Task::run(const bb_task_callbacks_t& cbs) {
       time_left(&si.time_left_ns, &si.est_step_ns);
       // Start a step only when it is expected to end before the deadline.
       const uint64_t need = si.est_step_ns ? si.est_step_ns : opts_.min_step_ns;
-      if (info.deadline_ns != 0 && need > si.time_left_ns) break;
+      if (info.deadline_ns != 0 && need > si.time_left_ns) {
+        // An estimate longer than every recent bubble would lock the task out for good after
+        // one slow outlier step: then each bubble without a step lowers it a little until a
+        // step is tried again. Short bubbles among long ones never lower it (that would start
+        // steps that spill).
+        if (!stepped && need > longest_bubble_ns_) {
+          est_mean_ -= est_mean_ / 16;
+          est_dev_ -= est_dev_ / 4;
+        }
+        break;
+      }
+      stepped = true;
       const uint64_t t0 = now_ns();
       const int rc = cbs.step(user, &si);
       report_step(now_ns() - t0);

@@ -37,6 +37,7 @@ class Task {
   void release();             // drop the connection and mappings
   bool trainer_gone();        // the connection closed or the hub is closing
   void push_report(shm::ReportType type, uint64_t a, uint64_t b);
+  bool flush_steps();
   void ack(uint32_t epoch, bool yielded);
   void finish_report(bool failed);
 
@@ -55,6 +56,9 @@ class Task {
   uint32_t epoch_ = 0;          // the epoch we run in; 0 = not running
   shm::Command current_{};      // the START we run under
   uint64_t report_cached_head_ = 0;
+  // Steps that found the report ring full, merged into one report sent when room appears, so
+  // a task with many short steps loses no time from the statistics.
+  shm::Report pending_steps_{};
   uint64_t spin_ns_ = 0;        // adaptive spin before sleeping
   bool stopped_ = false;
   bool finished_ = false;
@@ -63,6 +67,7 @@ class Task {
   // round-trip times), so a step starts only when it is likely to fit.
   uint64_t est_mean_ = 0, est_dev_ = 0;
   uint64_t steps_ = 0;
+  uint64_t longest_bubble_ns_ = 0;  // the longest recent bubble, decaying slowly
 };
 
 }  // namespace bb::core

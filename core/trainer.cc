@@ -259,8 +259,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   const uint64_t now = now_ns();
   if (open_) end_locked(now);
 
-  predicted_ = expected_ns == 0;
-  if (predicted_) expected_ns = predictor_.predict(kind);
+  if (expected_ns == 0) expected_ns = predictor_.predict(kind);
   const uint64_t deadline = expected_ns ? now + expected_ns : 0;
   kind_ = kind;
   begin_ns_ = now;
@@ -360,7 +359,7 @@ void Trainer::end_locked(uint64_t now) {
   n_running_ = 0;
   open_ = false;
   const uint64_t dur = now - begin_ns_;
-  if (predicted_) predictor_.observe(kind_, dur);
+  predictor_.observe(kind_, dur);  // every bubble, so positions stay in step with the iteration
   shm::BubbleState* b = hub_.bubble();
   const uint64_t v = b->version.load(std::memory_order_relaxed);
   b->version.store(v + 1, std::memory_order_relaxed);
@@ -802,11 +801,11 @@ void Trainer::drain_reports() {
           shm::log_event(hub_, shm::EventKind::kTaskPause, uint16_t(i), rep.ts_ns, rep.epoch, rep.a);
           break;
         case shm::ReportType::kStep: {
-          if (rep.b > rep.a) continue;
-          hs->steps.fetch_add(1, std::memory_order_relaxed);
+          if (rep.b > rep.a || rep.count == 0) continue;
+          hs->steps.fetch_add(rep.count, std::memory_order_relaxed);
           hs->ns_in_bubbles.fetch_add(rep.a - rep.b, std::memory_order_relaxed);
           hs->ns_outside.fetch_add(rep.b, std::memory_order_relaxed);
-          ctl->steps.fetch_add(1, std::memory_order_relaxed);
+          ctl->steps.fetch_add(rep.count, std::memory_order_relaxed);
           ctl->step_ns.fetch_add(rep.a, std::memory_order_relaxed);
           ctl->ns_in_bubbles.fetch_add(rep.a - rep.b, std::memory_order_relaxed);
           ctl->ns_outside.fetch_add(rep.b, std::memory_order_relaxed);

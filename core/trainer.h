@@ -89,7 +89,6 @@ class Trainer {
   uint32_t n_running_ = 0;
   bool open_ = false;
   uint64_t begin_ns_ = 0;
-  bool predicted_ = false;
   bb_bubble_kind kind_ = BB_BUBBLE_OTHER;
   BubblePredictor predictor_;
 

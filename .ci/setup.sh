@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Installs what libbubble needs (Debian bookworm, as root), then configures and builds a preset.
+# Sourced by examples/demo.sh and tests/run.sh; usage: .ci/setup.sh [preset]  (default: release)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+preset="${1:-release}"
+
+packages=(build-essential cmake pkg-config clang libclang-rt-14-dev
+          libuv1-dev capnproto libcapnp-dev doctest-dev libsqlite3-dev
+          golang-go bindgen python3 python3-pytest python3-torch
+          iceoryx libiceoryx-binding-c-dev libgrpc++-dev protobuf-compiler-grpc)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  echo "== installing: ${missing[*]}"
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "error: missing Debian packages (${missing[*]}); run as root or install them first" >&2
+    exit 1
+  fi
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -q
+  apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+echo "== configuring and building (preset $preset)"
+cmake --preset "$preset" -S "$root" > /dev/null
+cmake --build --preset "$preset" -j "$(nproc)"

@@ -1,0 +1,173 @@
+#include "core/cuda_driver.h"
+
+#include <dlfcn.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace bb::core {
+namespace {
+
+constexpr const char* kDefaultDriver = "libcuda.so.1";
+
+using GetProcAddressFn = CUresult (*)(const char*, void**, int, cuuint64_t,
+                                      CUdriverProcAddressQueryResult*);
+
+const char* error_name(const CudaDriver* drv, CUresult rc) {
+  const char* s = nullptr;
+  if (drv && drv->GetErrorName && drv->GetErrorName(rc, &s) == CUDA_SUCCESS && s) return s;
+  return "CUDA_ERROR_UNKNOWN";
+}
+
+}  // namespace
+
+bb_status cuda_status(CUresult rc) {
+  switch (rc) {
+    case CUDA_SUCCESS: return BB_OK;
+    case CUDA_ERROR_OUT_OF_MEMORY: return BB_E_NOMEM;
+    case CUDA_ERROR_INVALID_VALUE:
+    case CUDA_ERROR_INVALID_HANDLE:
+    case CUDA_ERROR_INVALID_DEVICE: return BB_E_INVALID;
+    case CUDA_ERROR_NOT_SUPPORTED:
+    case CUDA_ERROR_NO_DEVICE:
+    case CUDA_ERROR_NOT_INITIALIZED:
+    case CUDA_ERROR_SYSTEM_DRIVER_MISMATCH: return BB_E_UNSUPPORTED;
+    case CUDA_ERROR_NOT_PERMITTED: return BB_E_PERMISSION;
+    default: return BB_E_SYSTEM;
+  }
+}
+
+std::string CudaDriver::describe(const char* what, CUresult rc) const {
+  std::string out = what;
+  out += " failed: ";
+  out += error_name(this, rc);
+  const char* s = nullptr;
+  if (GetErrorString && GetErrorString(rc, &s) == CUDA_SUCCESS && s) {
+    out += " (";
+    out += s;
+    out += ")";
+  }
+  return out;
+}
+
+bb_status CudaDriver::open(const std::string& path, std::unique_ptr<CudaDriver>* out,
+                           std::string* error) {
+  out->reset();
+  void* h = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    const char* why = dlerror();
+    *error = "could not load the CUDA driver '" + path + "' (" + (why ? why : "unknown error") +
+             "): install the NVIDIA driver, set BUBBLE_CUDA_DRIVER to the path of libcuda.so.1, "
+             "or use the host grant backend";
+    return BB_E_UNSUPPORTED;
+  }
+  auto drv = std::make_unique<CudaDriver>();
+  drv->path = path;
+  drv->dl_handle = h;
+  auto fail = [&](std::string msg) {
+    dlclose(h);
+    *error = std::move(msg);
+    return BB_E_UNSUPPORTED;
+  };
+
+  // cuGetProcAddress gives the entry point whose ABI matches the version asked for, which keeps
+  // working when a later driver adds a _v3; dlsym of the versioned name covers drivers before 12.0.
+  auto gpa = reinterpret_cast<GetProcAddressFn>(dlsym(h, "cuGetProcAddress_v2"));
+  bool any_via_gpa = false;
+  auto resolve = [&](const char* base, const char* versioned) -> void* {
+    if (gpa) {
+      void* fn = nullptr;
+      CUdriverProcAddressQueryResult status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+      if (gpa(base, &fn, kCudaAbiVersion, CU_GET_PROC_ADDRESS_LEGACY_STREAM, &status) ==
+              CUDA_SUCCESS &&
+          fn && status == CU_GET_PROC_ADDRESS_SUCCESS) {
+        any_via_gpa = true;
+        return fn;
+      }
+    }
+    return dlsym(h, versioned);
+  };
+#define BB_CUDA_DRIVER_RESOLVE_(member, fn, versioned)                                     \
+  drv->member = reinterpret_cast<decltype(drv->member)>(resolve(#fn, versioned));          \
+  if (!drv->member)                                                                        \
+    return fail("the CUDA driver '" + path + "' has no entry point " versioned             \
+                ": it is too old or not a CUDA driver; libbubble needs driver API 11.0 or newer");
+  BB_CUDA_DRIVER_FUNCTIONS(BB_CUDA_DRIVER_RESOLVE_)
+#undef BB_CUDA_DRIVER_RESOLVE_
+  drv->via_proc_address = any_via_gpa;
+
+  CUresult rc = drv->Init(0);
+  if (rc == CUDA_ERROR_NO_DEVICE)
+    return fail("the CUDA driver '" + path + "' found no GPU (CUDA_ERROR_NO_DEVICE): run on a "
+                "machine with a GPU, check CUDA_VISIBLE_DEVICES, or use the host grant backend");
+  if (rc != CUDA_SUCCESS)
+    return fail("the CUDA driver '" + path + "' did not initialise: " + drv->describe("cuInit", rc) +
+                "; check the driver installation (nvidia-smi) or use the host grant backend");
+  if ((rc = drv->DriverGetVersion(&drv->driver_version)) != CUDA_SUCCESS)
+    return fail(drv->describe("cuDriverGetVersion", rc));
+  if ((rc = drv->DeviceGetCount(&drv->device_count)) != CUDA_SUCCESS)
+    return fail(drv->describe("cuDeviceGetCount", rc));
+  if (drv->device_count <= 0)
+    return fail("the CUDA driver '" + path + "' reports no GPU: run on a machine with a GPU, "
+                "check CUDA_VISIBLE_DEVICES, or use the host grant backend");
+  *out = std::move(drv);
+  return BB_OK;
+}
+
+std::string cuda_driver_path() {
+  const char* env = std::getenv("BUBBLE_CUDA_DRIVER");
+  return (env && *env) ? std::string(env) : std::string(kDefaultDriver);
+}
+
+const CudaDriver* cuda_driver(std::string* error) {
+  struct Loaded {
+    std::unique_ptr<CudaDriver> drv;
+    std::string error;
+  };
+  // A function-local static: initialised exactly once even when threads race here. The table is
+  // never freed, so pointers into the driver stay valid until exit.
+  static const Loaded* loaded = [] {
+    auto* l = new Loaded;
+    CudaDriver::open(cuda_driver_path(), &l->drv, &l->error);
+    return l;
+  }();
+  if (!loaded->drv && error) *error = loaded->error;
+  return loaded->drv.get();
+}
+
+CudaContextScope::CudaContextScope(const CudaDriver& drv, CUcontext ctx) : drv_(drv) {
+  if (drv_.CtxGetCurrent(&prev_) != CUDA_SUCCESS) prev_ = nullptr;
+  if (prev_ == ctx) return;
+  status_ = cuda_status(drv_.CtxSetCurrent(ctx));
+  restore_ = status_ == BB_OK;
+}
+
+CudaContextScope::~CudaContextScope() {
+  if (restore_) drv_.CtxSetCurrent(prev_);
+}
+
+bb_status CudaPrimaryContext::retain(const CudaDriver& drv, int device, std::string* error) {
+  reset();
+  if (device < 0 || device >= drv.device_count) {
+    *error = "CUDA device " + std::to_string(device) + " does not exist: this machine has " +
+             std::to_string(drv.device_count) + " visible GPU(s); pick an ordinal below that";
+    return BB_E_INVALID;
+  }
+  CUresult rc = drv.DeviceGet(&dev_, device);
+  if (rc == CUDA_SUCCESS) rc = drv.DevicePrimaryCtxRetain(&ctx_, dev_);
+  if (rc != CUDA_SUCCESS) {
+    ctx_ = nullptr;
+    *error = drv.describe("retaining the primary context of the GPU", rc);
+    return cuda_status(rc);
+  }
+  drv_ = &drv;
+  return BB_OK;
+}
+
+void CudaPrimaryContext::reset() {
+  if (ctx_ && drv_) drv_->DevicePrimaryCtxRelease(dev_);
+  ctx_ = nullptr;
+  drv_ = nullptr;
+}
+
+}  // namespace bb::core

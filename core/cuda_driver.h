@@ -1,0 +1,123 @@
+// The CUDA driver, loaded at run time.
+//
+// libbubble never links libcuda: it must load and run on machines without a GPU. The driver
+// library is opened with dlopen the first time a CUDA grant backend is asked for, and every entry
+// point libbubble uses is resolved once into a table (through cuGetProcAddress where the driver
+// has it, else dlsym of the versioned symbol). $BUBBLE_CUDA_DRIVER names another library to load
+// instead of libcuda.so.1: tests point it at a fake driver, and it helps with unusual installs.
+#pragma once
+
+#include <bubble/bubble.h>
+#include <cuda.h>
+
+#include <memory>
+#include <string>
+
+namespace bb::core {
+
+// The driver ABI version libbubble asks cuGetProcAddress for. Every entry point in the table
+// has had the signature that cuda.h now gives it since this version; a driver older than it
+// is still served through dlsym of the versioned names.
+inline constexpr int kCudaAbiVersion = 12000;
+
+struct CudaDriver {
+  // The table. Names follow cuda.h without the "cu" prefix so a call reads drv.MemCreate(...).
+#define BB_CUDA_DRIVER_FUNCTIONS(X)                                      \
+  X(Init, cuInit, "cuInit")                                              \
+  X(DriverGetVersion, cuDriverGetVersion, "cuDriverGetVersion")          \
+  X(GetErrorName, cuGetErrorName, "cuGetErrorName")                      \
+  X(GetErrorString, cuGetErrorString, "cuGetErrorString")                \
+  X(DeviceGetCount, cuDeviceGetCount, "cuDeviceGetCount")                \
+  X(DeviceGet, cuDeviceGet, "cuDeviceGet")                               \
+  X(DeviceGetAttribute, cuDeviceGetAttribute, "cuDeviceGetAttribute")    \
+  X(DevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain") \
+  X(DevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2") \
+  X(CtxGetCurrent, cuCtxGetCurrent, "cuCtxGetCurrent")                   \
+  X(CtxSetCurrent, cuCtxSetCurrent, "cuCtxSetCurrent")                   \
+  X(MemAlloc, cuMemAlloc, "cuMemAlloc_v2")                               \
+  X(MemFree, cuMemFree, "cuMemFree_v2")                                  \
+  X(MemGetAddressRange, cuMemGetAddressRange, "cuMemGetAddressRange_v2") \
+  X(IpcGetMemHandle, cuIpcGetMemHandle, "cuIpcGetMemHandle")             \
+  X(IpcOpenMemHandle, cuIpcOpenMemHandle, "cuIpcOpenMemHandle_v2")       \
+  X(IpcCloseMemHandle, cuIpcCloseMemHandle, "cuIpcCloseMemHandle")       \
+  X(MemGetAllocationGranularity, cuMemGetAllocationGranularity, "cuMemGetAllocationGranularity") \
+  X(MemCreate, cuMemCreate, "cuMemCreate")                               \
+  X(MemRelease, cuMemRelease, "cuMemRelease")                            \
+  X(MemExportToShareableHandle, cuMemExportToShareableHandle, "cuMemExportToShareableHandle") \
+  X(MemImportFromShareableHandle, cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle") \
+  X(MemAddressReserve, cuMemAddressReserve, "cuMemAddressReserve")       \
+  X(MemAddressFree, cuMemAddressFree, "cuMemAddressFree")                \
+  X(MemMap, cuMemMap, "cuMemMap")                                        \
+  X(MemUnmap, cuMemUnmap, "cuMemUnmap")                                  \
+  X(MemSetAccess, cuMemSetAccess, "cuMemSetAccess")
+
+#define BB_CUDA_DRIVER_MEMBER_(member, fn, versioned) decltype(&::fn) member = nullptr;
+  BB_CUDA_DRIVER_FUNCTIONS(BB_CUDA_DRIVER_MEMBER_)
+#undef BB_CUDA_DRIVER_MEMBER_
+
+  std::string path;          // what was loaded
+  int driver_version = 0;    // cuDriverGetVersion
+  int device_count = 0;
+  bool via_proc_address = false;  // the table came from cuGetProcAddress (else dlsym)
+  void* dl_handle = nullptr;      // kept open for the process's lifetime
+
+  // Loads the library at path (an explicit path: no environment lookup), resolves the table
+  // and initialises the driver. Fails with BB_E_UNSUPPORTED and an actionable *error when the
+  // library is missing, lacks an entry point, or finds no GPU. Each call resolves afresh.
+  static bb_status open(const std::string& path, std::unique_ptr<CudaDriver>* out,
+                        std::string* error);
+
+  // "cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory)".
+  std::string describe(const char* what, CUresult rc) const;
+};
+
+// The process's driver: loaded from $BUBBLE_CUDA_DRIVER or libcuda.so.1 on the first call, once,
+// thread-safely; later calls return the same table or repeat the same failure. On failure
+// returns nullptr, and *error (may be null) receives the reason.
+const CudaDriver* cuda_driver(std::string* error);
+
+// The library cuda_driver() loads: $BUBBLE_CUDA_DRIVER if set and non-empty, else libcuda.so.1.
+std::string cuda_driver_path();
+
+// Maps a driver result to a libbubble status (out of memory -> BB_E_NOMEM, ...).
+bb_status cuda_status(CUresult rc);
+
+// Makes the device's primary context current on the calling thread for its lifetime, and puts
+// back whatever was current before. The primary context is the one the CUDA runtime (and so
+// PyTorch) uses, so pointers libbubble maps are usable from the caller's kernels.
+class CudaContextScope {
+ public:
+  CudaContextScope(const CudaDriver& drv, CUcontext ctx);
+  ~CudaContextScope();
+  CudaContextScope(const CudaContextScope&) = delete;
+  CudaContextScope& operator=(const CudaContextScope&) = delete;
+  bb_status status() const { return status_; }
+
+ private:
+  const CudaDriver& drv_;
+  CUcontext prev_ = nullptr;
+  bb_status status_ = BB_OK;
+  bool restore_ = false;
+};
+
+// A retained primary context of one device; released on destruction.
+class CudaPrimaryContext {
+ public:
+  CudaPrimaryContext() = default;
+  ~CudaPrimaryContext() { reset(); }
+  CudaPrimaryContext(const CudaPrimaryContext&) = delete;
+  CudaPrimaryContext& operator=(const CudaPrimaryContext&) = delete;
+
+  // Checks the ordinal, retains the context. *error explains a failure.
+  bb_status retain(const CudaDriver& drv, int device, std::string* error);
+  void reset();
+  CUcontext get() const { return ctx_; }
+  CUdevice device() const { return dev_; }
+
+ private:
+  const CudaDriver* drv_ = nullptr;
+  CUdevice dev_ = 0;
+  CUcontext ctx_ = nullptr;
+};
+
+}  // namespace bb::core

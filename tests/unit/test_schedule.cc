@@ -1,0 +1,271 @@
+#include <doctest/doctest.h>
+
+#include "core/schedule.h"
+
+#include <cmath>
+#include <string>
+
+using bb::core::closed_form_bubble_fraction;
+using bb::core::OpType;
+using bb::core::Schedule;
+using bb::core::ScheduleKind;
+using bb::core::ScheduleParams;
+using bb::core::simulate_schedule;
+
+namespace {
+
+ScheduleParams make(ScheduleKind kind, uint32_t p, uint32_t m, uint64_t f, uint64_t b,
+                    uint32_t v = 1, uint64_t w = 0, uint64_t comm = 0) {
+  ScheduleParams sp;
+  sp.kind = kind;
+  sp.stages = p;
+  sp.microbatches = m;
+  sp.chunks = v;
+  sp.fwd_ns = f;
+  sp.bwd_ns = b;
+  sp.wgrad_ns = w;
+  sp.comm_ns = comm;
+  return sp;
+}
+
+Schedule run(const ScheduleParams& sp) {
+  Schedule s;
+  std::string err;
+  const bb_status st = simulate_schedule(sp, &s, &err);
+  INFO("simulate_schedule: ", err);
+  REQUIRE(st == BB_OK);
+  return s;
+}
+
+// Invariants every simulated schedule must satisfy, whatever its kind.
+void check_consistent(const ScheduleParams& sp, const Schedule& s) {
+  const uint32_t ops_per_stage = sp.microbatches * sp.chunks * (sp.kind == ScheduleKind::kZBH1 ? 3 : 2);
+  REQUIRE(s.stages.size() == sp.stages);
+  for (const auto& st : s.stages) {
+    REQUIRE(st.ops.size() == ops_per_stage);
+    uint64_t busy = 0, idle = 0, t = 0;
+    for (const auto& op : st.ops) {
+      CHECK(op.start_ns >= t);  // a stage runs one op at a time, in order
+      t = op.end_ns;
+      busy += op.end_ns - op.start_ns;
+    }
+    for (size_t i = 0; i < st.bubbles.size(); ++i) {
+      CHECK(st.bubbles[i].duration_ns > 0);
+      if (i > 0) CHECK(st.bubbles[i].start_ns >= st.bubbles[i - 1].start_ns + st.bubbles[i - 1].duration_ns);
+      idle += st.bubbles[i].duration_ns;
+    }
+    CHECK(busy == st.busy_ns);
+    CHECK(idle == st.idle_ns);
+    CHECK(busy + idle == s.iteration_ns);
+    CHECK(st.ops.back().held_after == doctest::Approx(0.0));  // every activation is released
+  }
+}
+
+}  // namespace
+
+TEST_CASE("schedule_gpipe_and_1f1b_match_closed_form") {
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B}) {
+    for (uint32_t p = 1; p <= 8; ++p) {
+      for (uint32_t m : {1u, 2u, 3u, 4u, 7u, 8u, 16u, 32u}) {
+        for (auto fb : {std::pair<uint64_t, uint64_t>{1000, 1000}, {1000, 2000}, {700, 1300}}) {
+          CAPTURE(bb::core::schedule_kind_name(kind));
+          CAPTURE(p);
+          CAPTURE(m);
+          CAPTURE(fb.first);
+          CAPTURE(fb.second);
+          const auto sp = make(kind, p, m, fb.first, fb.second);
+          const Schedule s = run(sp);
+          check_consistent(sp, s);
+          CHECK(s.bubble_fraction() == doctest::Approx(closed_form_bubble_fraction(sp)).epsilon(1e-12));
+          CHECK(s.iteration_ns == (m + p - 1) * (fb.first + fb.second));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("schedule_interleaved_matches_closed_form") {
+  for (uint32_t p = 2; p <= 8; ++p) {
+    for (uint32_t groups : {1u, 2u, 3u, 4u}) {
+      for (uint32_t v : {2u, 3u, 4u}) {
+        const uint32_t m = p * groups;
+        CAPTURE(p);
+        CAPTURE(m);
+        CAPTURE(v);
+        const auto sp = make(ScheduleKind::kInterleaved, p, m, 1200, 2400, v);
+        const Schedule s = run(sp);
+        check_consistent(sp, s);
+        CHECK(s.bubble_fraction() == doctest::Approx(closed_form_bubble_fraction(sp)).epsilon(1e-12));
+        // Interleaving divides each stage's idle time by v.
+        const Schedule plain = run(make(ScheduleKind::k1F1B, p, m, 1200, 2400));
+        CHECK(s.stages[0].idle_ns * v == plain.stages[0].idle_ns);
+      }
+    }
+  }
+}
+
+TEST_CASE("schedule_zbh1_is_a_third_of_1f1b_when_f_b_w_equal") {
+  for (uint32_t p = 2; p <= 8; ++p) {
+    for (uint32_t m : {p, p + 1, 2 * p, 4 * p}) {
+      CAPTURE(p);
+      CAPTURE(m);
+      const auto sp = make(ScheduleKind::kZBH1, p, m, 1000, 1000, 1, 1000);
+      const Schedule zb = run(sp);
+      check_consistent(sp, zb);
+      CHECK(zb.bubble_fraction() == doctest::Approx(closed_form_bubble_fraction(sp)).epsilon(1e-12));
+      // The same work as 1F1B with the weight gradient inside the backward.
+      const Schedule base = run(make(ScheduleKind::k1F1B, p, m, 1000, 2000));
+      for (uint32_t s = 0; s < p; ++s) CHECK(zb.stages[s].idle_ns * 3 == base.stages[s].idle_ns);
+      CHECK(zb.peak_held == base.peak_held);
+    }
+  }
+}
+
+TEST_CASE("schedule_zbh1_closed_form_exact_for_short_w_and_a_bound_for_long_w") {
+  for (uint32_t p : {2u, 4u, 6u}) {
+    for (uint32_t m : {p, 3 * p}) {
+      for (uint64_t w : {200u, 900u, 1500u, 4000u}) {
+        CAPTURE(p);
+        CAPTURE(m);
+        CAPTURE(w);
+        const auto sp = make(ScheduleKind::kZBH1, p, m, 1000, 1200, 1, w);
+        const Schedule s = run(sp);
+        check_consistent(sp, s);
+        const double cf = closed_form_bubble_fraction(sp);
+        if (w <= 1000)
+          CHECK(s.bubble_fraction() == doctest::Approx(cf).epsilon(1e-12));
+        else
+          CHECK(s.bubble_fraction() >= cf - 1e-12);
+      }
+    }
+  }
+}
+
+TEST_CASE("schedule_1f1b_bubble_kinds_and_memory_trend") {
+  const uint32_t p = 4, m = 8;
+  const uint64_t f = 1000, b = 2000;
+  const Schedule s = run(make(ScheduleKind::k1F1B, p, m, f, b));
+  for (uint32_t st = 0; st < p; ++st) {
+    CAPTURE(st);
+    const auto& tl = s.stages[st];
+    // Stage s waits s forwards for its first input, and idles p-1-s backwards at the end.
+    if (st == 0) {
+      CHECK(tl.bubbles.front().kind != BB_BUBBLE_WARMUP);
+    } else {
+      CHECK(tl.bubbles.front().kind == BB_BUBBLE_WARMUP);
+      CHECK(tl.bubbles.front().start_ns == 0);
+      CHECK(tl.bubbles.front().duration_ns == st * f);
+    }
+    if (st == p - 1 || st == 0) {
+      // The last stage's cool-down and the first stage's lack of one.
+      if (st == 0) CHECK(tl.bubbles.back().kind != BB_BUBBLE_COOLDOWN);
+      if (st == p - 1) {
+        CHECK(tl.bubbles.back().kind == BB_BUBBLE_COOLDOWN);
+        CHECK(tl.bubbles.back().duration_ns == (p - 1) * b);
+      }
+    }
+    for (const auto& bub : tl.bubbles) {
+      if (bub.kind == BB_BUBBLE_WARMUP) CHECK(bub.start_ns == 0);
+      if (bub.kind == BB_BUBBLE_COOLDOWN) CHECK(bub.start_ns + bub.duration_ns == s.iteration_ns);
+    }
+    // 1F1B: stage s holds the activations of p-s micro-batches at its peak.
+    CHECK(tl.peak_held == doctest::Approx(p - st));
+    CHECK(tl.ops.front().type == OpType::kForward);
+    CHECK(tl.ops.back().type == OpType::kBackward);
+  }
+  CHECK(s.peak_held == doctest::Approx(p));
+  CHECK(s.relative_free(0) == doctest::Approx(1.0));
+  CHECK(s.relative_free(p) == doctest::Approx(0.0));
+  CHECK(s.relative_free(p / 2.0) == doctest::Approx(0.5));
+}
+
+TEST_CASE("schedule_gpipe_holds_every_microbatch") {
+  const Schedule s = run(make(ScheduleKind::kGPipe, 4, 12, 1000, 2000));
+  for (const auto& tl : s.stages) CHECK(tl.peak_held == doctest::Approx(12));
+  // The bubble between the forward and backward phases holds everything.
+  const auto& last = s.stages[3];
+  bool found_full = false;
+  for (const auto& bub : s.stages[0].bubbles)
+    if (bub.kind == BB_BUBBLE_STEADY && bub.held == doctest::Approx(12)) found_full = true;
+  CHECK(found_full);
+  CHECK(last.bubbles.front().kind == BB_BUBBLE_WARMUP);
+  CHECK(last.bubbles.front().held == 0);
+}
+
+TEST_CASE("schedule_comm_time_lengthens_iteration_and_adds_bubbles") {
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved,
+                    ScheduleKind::kZBH1}) {
+    CAPTURE(bb::core::schedule_kind_name(kind));
+    const uint32_t v = kind == ScheduleKind::kInterleaved ? 2 : 1;
+    const uint64_t w = kind == ScheduleKind::kZBH1 ? 500 : 0;
+    const auto base = make(kind, 4, 8, 1000, 1500, v, w);
+    auto with_comm = base;
+    with_comm.comm_ns = 100;
+    const Schedule a = run(base), b = run(with_comm);
+    check_consistent(with_comm, b);
+    CHECK(b.iteration_ns > a.iteration_ns);
+    CHECK(b.bubble_fraction() > a.bubble_fraction());
+    // The last stage waits for the first micro-batch to cross p-1 links.
+    CHECK(b.stages[3].bubbles.front().duration_ns >= a.stages[3].bubbles.front().duration_ns + 3 * 100);
+  }
+}
+
+TEST_CASE("schedule_single_stage_has_no_bubbles") {
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kZBH1}) {
+    const Schedule s = run(make(kind, 1, 4, 1000, 2000, 1, kind == ScheduleKind::kZBH1 ? 300 : 0));
+    CHECK(s.stages[0].bubbles.empty());
+    CHECK(s.bubble_fraction() == 0);
+  }
+}
+
+TEST_CASE("schedule_rejects_bad_parameters_with_a_message") {
+  struct Bad {
+    ScheduleParams sp;
+    const char* needle;
+  };
+  const Bad cases[] = {
+      {make(ScheduleKind::k1F1B, 0, 4, 1, 1), "stages"},
+      {make(ScheduleKind::k1F1B, 2000, 4, 1, 1), "stages"},
+      {make(ScheduleKind::k1F1B, 4, 0, 1, 1), "microbatches"},
+      {make(ScheduleKind::k1F1B, 4, 4, 0, 1), "positive"},
+      {make(ScheduleKind::k1F1B, 4, 4, 1, 0), "positive"},
+      {make(ScheduleKind::k1F1B, 4, 4, 1, 1, 2), "chunks"},
+      {make(ScheduleKind::kInterleaved, 4, 8, 10, 10, 1), "1f1b"},
+      {make(ScheduleKind::kInterleaved, 4, 6, 10, 10, 2), "multiple of stages"},
+      {make(ScheduleKind::kInterleaved, 4, 8, 3, 10, 4), "per chunk"},
+      {make(ScheduleKind::k1F1B, 4, 8, 10, 10, 1, 5), "zbh1"},
+      {make(ScheduleKind::kZBH1, 4, 3, 10, 10, 1, 5), "at least as many microbatches"},
+      {make(ScheduleKind::k1F1B, 4, 4, 1, 4000ull * 1000 * 1000 * 1000), "hour"},
+      {make(ScheduleKind::k1F1B, 1024, 65536, 1, 1), "too large"},
+      {make(static_cast<ScheduleKind>(9), 4, 4, 1, 1), "unknown schedule kind"},
+  };
+  for (const auto& c : cases) {
+    CAPTURE(c.needle);
+    Schedule s;
+    s.iteration_ns = 12345;
+    std::string err;
+    CHECK(simulate_schedule(c.sp, &s, &err) == BB_E_INVALID);
+    CHECK(err.find(c.needle) != std::string::npos);
+    CHECK(s.iteration_ns == 12345);  // untouched on failure
+    std::string err2;
+    CHECK(closed_form_bubble_fraction(c.sp, &err2) == -1);
+    CHECK(err2 == err);
+  }
+  // A null error pointer is allowed.
+  Schedule s;
+  CHECK(simulate_schedule(make(ScheduleKind::k1F1B, 0, 4, 1, 1), &s, nullptr) == BB_E_INVALID);
+}
+
+TEST_CASE("schedule_kind_names_round_trip") {
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved,
+                    ScheduleKind::kZBH1}) {
+    ScheduleKind parsed{};
+    REQUIRE(bb::core::parse_schedule_kind(bb::core::schedule_kind_name(kind), &parsed));
+    CHECK(parsed == kind);
+  }
+  ScheduleKind k{};
+  CHECK(bb::core::parse_schedule_kind("ZB-H1", &k));
+  CHECK(k == ScheduleKind::kZBH1);
+  CHECK_FALSE(bb::core::parse_schedule_kind("2f2b", &k));
+  CHECK_FALSE(bb::core::parse_schedule_kind("", &k));
+}
