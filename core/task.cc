@@ -41,6 +41,8 @@ bb_status Task::attach(const char* job_id, uint32_t rank, const char* name,
   if (opts.on_trainer_exit > BB_ON_TRAINER_EXIT_WAIT)
     return fail(BB_E_INVALID, "on_trainer_exit %u is not a bb_on_trainer_exit value",
                 opts.on_trainer_exit);
+  if (opts.wake_mode > BB_WAKE_SPIN)
+    return fail(BB_E_INVALID, "wake_mode %u is not a bb_wake_mode value", opts.wake_mode);
   std::unique_ptr<Task> t(new Task());
   if ((st = resolve_runtime_dir(opts.runtime_dir, false, &t->dir_)) != BB_OK) return st;
   t->job_ = job_id;
@@ -308,19 +310,49 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
     if (now >= until)
       return fail(BB_E_TIMEOUT, "no bubble started this task within the timeout");
 
-    // Spin first (a start usually follows soon in a busy pipeline), then sleep.
-    const uint64_t spin = std::min<uint64_t>(spin_ns_, until - now);
-    if (shm::spin_until_changed(&ctl_->doorbell, bell, spin)) continue;
-    page_->sleeping.store(1, std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the trainer's fence
-    const uint64_t slept_at = now_ns();
-    shm::WaitResult w = shm::WaitResult::kChanged;
-    if (ctl_->doorbell.load(std::memory_order_relaxed) == bell) {
-      const uint64_t left = until == UINT64_MAX ? UINT64_MAX : until - std::min(until, slept_at);
-      w = shm::futex_wait(&ctl_->doorbell, bell,
-                          int64_t(std::min<uint64_t>(left, kLivenessSliceNs)));
+    const bb_status st = wait_for_doorbell(bell, now, until);
+    if (st != BB_OK) return st;
+  }
+}
+
+bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until) {
+  const std::atomic<uint32_t>* word = &ctl_->doorbell;
+  if (opts_.wake_mode == BB_WAKE_SPIN) {
+    if (shm::spin_until_changed(word, bell, std::min<uint64_t>(until - now, kLivenessSliceNs)))
+      return BB_OK;
+    return trainer_gone() ? reattach() : BB_OK;
+  }
+  uint64_t spin = std::min<uint64_t>(spin_ns_, until - now);
+  uint64_t sleep_until = until;
+  bool adapt = true;
+  if (opts_.wake_mode == BB_WAKE_PREDICTIVE) {
+    // The trainer publishes when it expects the next bubble: sleep until just before it, spin
+    // through a window around it, and fall back to sleeping when the guess missed.
+    const uint64_t next = hub_.bubble()->next_begin_ns.load(std::memory_order_relaxed);
+    const uint64_t lead = opts_.wake_lead_ns;
+    if (next != 0 && now + lead >= next && now <= next + lead) {
+      if (shm::spin_until_changed(word, bell, std::min(next + lead - now, until - now)))
+        return BB_OK;
+      spin = 0;
+      adapt = false;
+    } else if (next > now + lead) {
+      sleep_until = std::min(until, next - lead);
+      spin = 0;
+      adapt = false;
     }
-    page_->sleeping.store(0, std::memory_order_relaxed);
+  }
+  if (spin && shm::spin_until_changed(word, bell, spin)) return BB_OK;
+  page_->sleeping.store(1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the trainer's fence
+  const uint64_t slept_at = now_ns();
+  shm::WaitResult w = shm::WaitResult::kChanged;
+  if (word->load(std::memory_order_relaxed) == bell) {
+    const uint64_t left = sleep_until == UINT64_MAX ? UINT64_MAX
+                                                    : sleep_until - std::min(sleep_until, slept_at);
+    w = shm::futex_wait(word, bell, int64_t(std::min<uint64_t>(left, kLivenessSliceNs)));
+  }
+  page_->sleeping.store(0, std::memory_order_relaxed);
+  if (adapt) {
     // Adapt the spin: a wake soon after falling asleep says spinning a little longer would
     // have caught it; a long sleep says spinning was wasted.
     const uint64_t slept = now_ns() - slept_at;
@@ -328,11 +360,9 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
       spin_ns_ = std::min<uint64_t>(opts_.spin_ns, std::max<uint64_t>(spin_ns_ * 2, kMinSpinNs));
     else
       spin_ns_ = std::max<uint64_t>(spin_ns_ / 2, std::min<uint64_t>(kMinSpinNs, opts_.spin_ns));
-    if (w == shm::WaitResult::kTimeout && trainer_gone()) {
-      bb_status st = reattach();
-      if (st != BB_OK) return st;
-    }
   }
+  if (w == shm::WaitResult::kTimeout && trainer_gone()) return reattach();
+  return BB_OK;
 }
 
 bb_status Task::report_step(uint64_t step_ns) {

@@ -36,6 +36,7 @@ class Task {
   bb_status reattach();       // after the trainer went away, by option
   void release();             // drop the connection and mappings
   bool trainer_gone();        // the connection closed or the hub is closing
+  bb_status wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until);
   void push_report(shm::ReportType type, uint64_t a, uint64_t b);
   bool flush_steps();
   void ack(uint32_t epoch, bool yielded);

@@ -260,6 +260,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   if (open_) end_locked(now);
 
   if (expected_ns == 0) expected_ns = predictor_.predict(kind);
+  if (last_end_ns_ != 0) gap_predictor_.observe(BB_BUBBLE_OTHER, now - last_end_ns_);
   const uint64_t deadline = expected_ns ? now + expected_ns : 0;
   kind_ = kind;
   begin_ns_ = now;
@@ -368,13 +369,19 @@ void Trainer::end_locked(uint64_t now) {
   b->end_ns.store(now, std::memory_order_relaxed);
   b->bubbles.store(b->bubbles.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   b->bubble_ns.store(b->bubble_ns.load(std::memory_order_relaxed) + dur, std::memory_order_relaxed);
+  const uint64_t gap = gap_predictor_.predict(BB_BUBBLE_OTHER);
+  b->next_begin_ns.store(gap ? now + gap : 0, std::memory_order_relaxed);
+  last_end_ns_ = now;
   b->version.store(v + 2, std::memory_order_release);
   if (pauses) pauses_.store(pauses_.load(std::memory_order_relaxed) + pauses, std::memory_order_relaxed);
   if (wakes) wakes_.store(wakes_.load(std::memory_order_relaxed) + wakes, std::memory_order_relaxed);
   shm::log_event(hub_, shm::EventKind::kBubbleEnd, 0xffff, now, dur, 0);
 }
 
-void Trainer::iteration() { predictor_.begin_iteration(); }
+void Trainer::iteration() {
+  predictor_.begin_iteration();
+  gap_predictor_.begin_iteration();
+}
 
 // ------------------------------------------------------------------------------------------
 // Any thread.

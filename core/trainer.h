@@ -90,7 +90,9 @@ class Trainer {
   bool open_ = false;
   uint64_t begin_ns_ = 0;
   bb_bubble_kind kind_ = BB_BUBBLE_OTHER;
-  BubblePredictor predictor_;
+  BubblePredictor predictor_;      // bubble lengths
+  BubblePredictor gap_predictor_;  // time from a bubble's end to the next one's begin
+  uint64_t last_end_ns_ = 0;
 
   // Written by the bubble thread, read by anyone.
   std::atomic<uint64_t> starts_{0}, pauses_{0}, wakes_{0};

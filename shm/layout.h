@@ -63,6 +63,9 @@ struct alignas(kCacheLine) BubbleState {
   std::atomic<uint64_t> free_mem;
   std::atomic<uint64_t> bubbles;      // closed bubbles
   std::atomic<uint64_t> bubble_ns;    // their summed length
+  // When the trainer expects the next bubble to begin (0 = no prediction yet): waiting tasks
+  // sleep until shortly before it and spin from there (predictive wake).
+  std::atomic<uint64_t> next_begin_ns;
 };
 
 // Hub-wide counters kept by the trainer's hub service (drained from task reports).

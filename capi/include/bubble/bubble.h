@@ -189,20 +189,32 @@ typedef enum bb_on_trainer_exit {
   BB_ON_TRAINER_EXIT_WAIT = 1    /* wait for a trainer to reopen the hub, then re-attach */
 } bb_on_trainer_exit;
 
+/* How a task waits for the next start. */
+typedef enum bb_wake_mode {
+  /* Sleep between bubbles and spin from wake_lead_ns before the trainer's predicted next bubble:
+   * usually a spin's latency at a small, bounded CPU cost; a futex wake when the guess misses. */
+  BB_WAKE_PREDICTIVE = 0,
+  BB_WAKE_SLEEP = 1, /* spin up to spin_ns (adapting), then sleep: least CPU, a wake's latency */
+  BB_WAKE_SPIN = 2   /* spin all the time: the lowest latency, at a whole core */
+} bb_wake_mode;
+
 typedef struct bb_task_options_t {
   uint32_t size;
   int32_t priority;             /* higher runs first; default 0 */
   uint64_t mem_need;            /* device bytes the task needs during a bubble; default 0 */
   uint64_t min_step_ns;         /* shortest useful step; default 0 */
   uint32_t on_trainer_exit;     /* bb_on_trainer_exit; default RETURN */
-  uint32_t reserved0_;
+  uint32_t wake_mode;           /* bb_wake_mode; default PREDICTIVE */
   uint64_t reattach_timeout_ns; /* with WAIT: give up after this long; default 60 s */
   uint64_t spin_ns;             /* spin this long before sleeping on a wait; default 20 us */
   const char *runtime_dir;      /* may be NULL: same default as the trainer */
+  uint64_t wake_lead_ns;        /* PREDICTIVE: start spinning this long before the predicted
+                                   bubble, and give up spinning as long after it; default 50 us */
 } bb_task_options_t;
 
-#define BB_TASK_OPTIONS_INIT \
-  {sizeof(bb_task_options_t), 0, 0u, 0u, BB_ON_TRAINER_EXIT_RETURN, 0u, 60000000000ull, 20000ull, NULL}
+#define BB_TASK_OPTIONS_INIT                                                                   \
+  {sizeof(bb_task_options_t), 0, 0u, 0u, BB_ON_TRAINER_EXIT_RETURN, BB_WAKE_PREDICTIVE,        \
+   60000000000ull, 20000ull, NULL, 50000ull}
 BB_API void bb_task_options_init(bb_task_options_t *opts);
 
 /* Attach to the hub of (job_id, rank) under a name (1..BB_NAME_MAX printable characters).

@@ -1,0 +1,770 @@
+// A fake CUDA driver: the entry points libbubble uses, over host memory.
+//
+// "Device memory" is memfd-backed host memory, so a test can read and write it through the
+// pointers the driver hands out, and share it across processes the way the real driver does:
+// a VMM export is a dup of the memfd, an IPC handle names (pid, descriptor) and the importer opens
+// /proc/<pid>/fd/<n>. Every call is logged; arguments the real driver would reject, and orders
+// libbubble promises to keep (unmap before release, no address free while mapped), are recorded
+// as violations for the tests to assert on. See cuda_double.h for the environment knobs.
+#include "tests/cuda_double/cuda_double.h"
+
+#include <cuda.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+struct CUctx_st {
+  int device;
+};
+
+namespace {
+
+constexpr int kDriverVersion = 13000;
+constexpr int kMaxDevices = 8;
+constexpr char kIpcMagic[8] = {'B', 'B', 'D', 'B', 'L', 'I', 'P', 'C'};
+
+struct IpcWire {
+  char magic[8];
+  int32_t pid;
+  int32_t fd;
+  uint64_t size;
+  uint64_t serial;
+};
+static_assert(sizeof(IpcWire) <= CU_IPC_HANDLE_SIZE);
+
+struct Physical {
+  int memfd = -1;
+  size_t size = 0;
+  int types = 0;
+  int maps = 0;
+  bool imported = false;
+};
+struct Reservation {
+  size_t size = 0;
+};
+struct Mapping {
+  size_t size = 0;
+  CUmemGenericAllocationHandle handle = 0;
+  int flags = 0;
+};
+struct DeviceAlloc {
+  size_t size = 0;
+  int memfd = -1;
+  uint64_t serial = 0;
+};
+struct IpcOpen {
+  CUdeviceptr ptr = 0;
+  size_t size = 0;
+  int refs = 0;
+};
+struct Failure {
+  std::string kind;
+  long nth = 0;  // 0 = every call
+};
+
+struct State {
+  std::mutex mu;
+  bool initialized = false;
+  int devices = 1;
+  size_t granularity = 2u << 20;
+  bool no_proc_address = false;
+  bool no_vmm = false;
+  std::vector<Failure> failures;
+  std::map<std::string, long> calls_of_kind;
+  std::vector<std::string> log;
+  std::vector<std::string> violations;
+  CUctx_st contexts[kMaxDevices];
+  int retains[kMaxDevices] = {};
+  CUmemGenericAllocationHandle next_handle = 0x1000;
+  uint64_t next_serial = 1;
+  uint64_t proc_lookups = 0;
+  std::map<CUmemGenericAllocationHandle, Physical> physical;
+  std::map<CUdeviceptr, Reservation> reservations;
+  std::map<CUdeviceptr, Mapping> mappings;
+  std::map<CUdeviceptr, DeviceAlloc> allocs;
+  std::map<std::pair<int, uint64_t>, IpcOpen> ipc_opens;  // (pid, serial)
+
+  void read_env() {
+    auto num = [](const char* name, long dflt) {
+      const char* v = std::getenv(name);
+      return (v && *v) ? std::strtol(v, nullptr, 0) : dflt;
+    };
+    devices = static_cast<int>(num("BUBBLE_CUDA_DOUBLE_DEVICES", 1));
+    if (devices > kMaxDevices) devices = kMaxDevices;
+    granularity = static_cast<size_t>(num("BUBBLE_CUDA_DOUBLE_GRANULARITY", 2l << 20));
+    no_proc_address = num("BUBBLE_CUDA_DOUBLE_NO_PROC_ADDRESS", 0) != 0;
+    no_vmm = num("BUBBLE_CUDA_DOUBLE_NO_VMM", 0) != 0;
+    failures.clear();
+    calls_of_kind.clear();
+    const char* spec = std::getenv("BUBBLE_CUDA_DOUBLE_FAIL");
+    std::string s = spec ? spec : "";
+    size_t pos = 0;
+    while (pos < s.size()) {
+      size_t end = s.find(',', pos);
+      if (end == std::string::npos) end = s.size();
+      std::string item = s.substr(pos, end - pos);
+      pos = end + 1;
+      if (item.empty()) continue;
+      Failure f;
+      size_t at = item.find('@');
+      f.kind = item.substr(0, at);
+      if (at != std::string::npos) f.nth = std::strtol(item.c_str() + at + 1, nullptr, 10);
+      failures.push_back(f);
+    }
+    for (int i = 0; i < kMaxDevices; ++i) contexts[i].device = i;
+  }
+};
+
+State& st() {
+  static State* s = [] {
+    auto* n = new State;
+    n->read_env();
+    return n;
+  }();
+  return *s;
+}
+
+thread_local CUcontext current_ctx = nullptr;
+
+const char* result_name(CUresult rc) {
+  switch (rc) {
+    case CUDA_SUCCESS: return "CUDA_SUCCESS";
+    case CUDA_ERROR_INVALID_VALUE: return "CUDA_ERROR_INVALID_VALUE";
+    case CUDA_ERROR_OUT_OF_MEMORY: return "CUDA_ERROR_OUT_OF_MEMORY";
+    case CUDA_ERROR_NOT_INITIALIZED: return "CUDA_ERROR_NOT_INITIALIZED";
+    case CUDA_ERROR_NO_DEVICE: return "CUDA_ERROR_NO_DEVICE";
+    case CUDA_ERROR_INVALID_DEVICE: return "CUDA_ERROR_INVALID_DEVICE";
+    case CUDA_ERROR_INVALID_CONTEXT: return "CUDA_ERROR_INVALID_CONTEXT";
+    case CUDA_ERROR_MAP_FAILED: return "CUDA_ERROR_MAP_FAILED";
+    case CUDA_ERROR_INVALID_HANDLE: return "CUDA_ERROR_INVALID_HANDLE";
+    case CUDA_ERROR_NOT_FOUND: return "CUDA_ERROR_NOT_FOUND";
+    case CUDA_ERROR_NOT_SUPPORTED: return "CUDA_ERROR_NOT_SUPPORTED";
+    case CUDA_ERROR_NOT_PERMITTED: return "CUDA_ERROR_NOT_PERMITTED";
+    case CUDA_ERROR_ALREADY_MAPPED: return "CUDA_ERROR_ALREADY_MAPPED";
+    case CUDA_ERROR_OPERATING_SYSTEM: return "CUDA_ERROR_OPERATING_SYSTEM";
+    default: return nullptr;
+  }
+}
+
+// One call in progress: holds the lock, builds the log line, records the result.
+class Call {
+ public:
+  explicit Call(const char* name) : lock_(st().mu), line_(name) {}
+  ~Call() {
+    const char* n = result_name(rc_);
+    line_ += " -> ";
+    line_ += n ? n : std::to_string(rc_);
+    st().log.push_back(line_);
+  }
+  Call& arg(const char* key, unsigned long long v) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, " %s=%llu", key, v);
+    line_ += buf;
+    return *this;
+  }
+  Call& arg(const char* key, const char* v) {
+    line_ += ' ';
+    line_ += key;
+    line_ += '=';
+    line_ += v;
+    return *this;
+  }
+  CUresult ret(CUresult rc) { return rc_ = rc; }
+  // A misuse the real driver would reject or libbubble promised not to do.
+  CUresult violation(CUresult rc, const char* fmt, ...) {
+    char buf[256];
+    va_list ap;
+    va_start(ap, fmt);
+    std::vsnprintf(buf, sizeof buf, fmt, ap);
+    va_end(ap);
+    st().violations.push_back(line_ + ": " + buf);
+    return rc_ = rc;
+  }
+  bool inject(const char* kind) {
+    State& s = st();
+    long n = ++s.calls_of_kind[kind];
+    for (const Failure& f : s.failures) {
+      if (f.kind == kind && (f.nth == 0 || f.nth == n)) {
+        line_ += " [injected]";
+        return true;
+      }
+    }
+    return false;
+  }
+  bool need_init() { return !st().initialized; }
+  bool need_ctx() { return current_ctx == nullptr; }
+
+ private:
+  std::lock_guard<std::mutex> lock_;
+  std::string line_;
+  CUresult rc_ = CUDA_SUCCESS;
+};
+
+bool aligned(size_t v) { return v % st().granularity == 0; }
+
+int make_memfd(size_t size) {
+  int fd = memfd_create("cuda-double", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) return -1;
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Mapping covering [p, p + size) entirely inside the reservation, or end().
+bool inside_reservation(CUdeviceptr p, size_t size) {
+  auto& r = st().reservations;
+  auto it = r.upper_bound(p);
+  if (it == r.begin()) return false;
+  --it;
+  return p >= it->first && p + size <= it->first + it->second.size;
+}
+
+bool overlaps_mapping(CUdeviceptr p, size_t size) {
+  for (auto& [b, m] : st().mappings)
+    if (p < b + m.size && b < p + size) return true;
+  return false;
+}
+
+size_t copy_out(const std::string& s, char* buf, size_t cap) {
+  if (buf && cap) {
+    size_t n = s.size() < cap - 1 ? s.size() : cap - 1;
+    std::memcpy(buf, s.data(), n);
+    buf[n] = 0;
+  }
+  return s.size();
+}
+
+}  // namespace
+
+extern "C" {
+
+// ---- control ----------------------------------------------------------------------------------
+
+__attribute__((visibility("default"))) void bbdouble_reset(void) {
+  std::lock_guard<std::mutex> lock(st().mu);
+  st().read_env();
+  st().log.clear();
+  st().violations.clear();
+  st().proc_lookups = 0;
+}
+
+__attribute__((visibility("default"))) void bbdouble_outstanding(bbdouble_counts* out) {
+  State& s = st();
+  std::lock_guard<std::mutex> lock(s.mu);
+  *out = bbdouble_counts{};
+  out->physical = s.physical.size();
+  out->mappings = s.mappings.size();
+  out->reservations = s.reservations.size();
+  out->device_allocs = s.allocs.size();
+  for (auto& [k, o] : s.ipc_opens) out->ipc_opens += o.refs;
+  for (int i = 0; i < kMaxDevices; ++i) out->ctx_retains += s.retains[i];
+  out->proc_lookups = s.proc_lookups;
+  out->violations = s.violations.size();
+}
+
+__attribute__((visibility("default"))) size_t bbdouble_log(char* buf, size_t cap) {
+  std::lock_guard<std::mutex> lock(st().mu);
+  std::string all;
+  for (auto& l : st().log) all += l + "\n";
+  return copy_out(all, buf, cap);
+}
+
+__attribute__((visibility("default"))) size_t bbdouble_violations(char* buf, size_t cap) {
+  std::lock_guard<std::mutex> lock(st().mu);
+  std::string all;
+  for (auto& l : st().violations) all += l + "\n";
+  return copy_out(all, buf, cap);
+}
+
+// ---- initialisation, devices, contexts, errors ------------------------------------------------
+
+CUresult CUDAAPI cuInit(unsigned int flags) {
+  Call c("cuInit");
+  c.arg("flags", flags);
+  if (flags != 0) return c.violation(CUDA_ERROR_INVALID_VALUE, "flags must be 0");
+  if (st().devices <= 0) return c.ret(CUDA_ERROR_NO_DEVICE);
+  st().initialized = true;
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuDriverGetVersion(int* v) {
+  Call c("cuDriverGetVersion");
+  if (!v) return c.violation(CUDA_ERROR_INVALID_VALUE, "null pointer");
+  *v = kDriverVersion;
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuGetErrorName(CUresult rc, const char** out) {
+  const char* n = result_name(rc);
+  if (!out) return CUDA_ERROR_INVALID_VALUE;
+  *out = n;
+  return n ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult CUDAAPI cuGetErrorString(CUresult rc, const char** out) {
+  if (!out) return CUDA_ERROR_INVALID_VALUE;
+  switch (rc) {
+    case CUDA_SUCCESS: *out = "no error"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: *out = "out of memory"; break;
+    case CUDA_ERROR_INVALID_VALUE: *out = "invalid argument"; break;
+    case CUDA_ERROR_NO_DEVICE: *out = "no CUDA-capable device is detected"; break;
+    case CUDA_ERROR_MAP_FAILED: *out = "mapping of buffer object failed"; break;
+    case CUDA_ERROR_NOT_SUPPORTED: *out = "operation not supported"; break;
+    case CUDA_ERROR_INVALID_HANDLE: *out = "invalid resource handle"; break;
+    default: *out = "unknown error"; break;
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult CUDAAPI cuDeviceGetCount(int* n) {
+  Call c("cuDeviceGetCount");
+  if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
+  *n = st().devices;
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuDeviceGet(CUdevice* dev, int ordinal) {
+  Call c("cuDeviceGet");
+  c.arg("ordinal", ordinal);
+  if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
+  if (ordinal < 0 || ordinal >= st().devices) return c.ret(CUDA_ERROR_INVALID_DEVICE);
+  *dev = ordinal;
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuDeviceGetAttribute(int* v, CUdevice_attribute attr, CUdevice dev) {
+  Call c("cuDeviceGetAttribute");
+  c.arg("attr", attr).arg("dev", dev);
+  if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
+  if (dev < 0 || dev >= st().devices) return c.ret(CUDA_ERROR_INVALID_DEVICE);
+  switch (attr) {
+    case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
+    case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED:
+      *v = st().no_vmm ? 0 : 1;
+      break;
+    default: *v = 0; break;
+  }
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice dev) {
+  Call c("cuDevicePrimaryCtxRetain");
+  c.arg("dev", dev);
+  if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
+  if (dev < 0 || dev >= st().devices) return c.ret(CUDA_ERROR_INVALID_DEVICE);
+  ++st().retains[dev];
+  *ctx = &st().contexts[dev];
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev) {
+  Call c("cuDevicePrimaryCtxRelease");
+  c.arg("dev", dev);
+  if (dev < 0 || dev >= st().devices) return c.ret(CUDA_ERROR_INVALID_DEVICE);
+  if (st().retains[dev] == 0)
+    return c.violation(CUDA_ERROR_INVALID_CONTEXT, "released a primary context not retained");
+  if (--st().retains[dev] == 0 && current_ctx == &st().contexts[dev]) current_ctx = nullptr;
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuCtxGetCurrent(CUcontext* ctx) {
+  Call c("cuCtxGetCurrent");
+  *ctx = current_ctx;
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
+  Call c("cuCtxSetCurrent");
+  c.arg("dev", ctx ? ctx->device : -1);
+  if (ctx && (ctx < &st().contexts[0] || ctx >= &st().contexts[kMaxDevices] ||
+              st().retains[ctx->device] == 0))
+    return c.violation(CUDA_ERROR_INVALID_CONTEXT, "not a retained primary context");
+  current_ctx = ctx;
+  return c.ret(CUDA_SUCCESS);
+}
+
+// ---- cuMemAlloc and legacy IPC ----------------------------------------------------------------
+
+CUresult CUDAAPI cuMemAlloc(CUdeviceptr* dptr, size_t size) {
+  Call c("cuMemAlloc");
+  c.arg("size", size);
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  if (size == 0) return c.violation(CUDA_ERROR_INVALID_VALUE, "size 0");
+  if (c.inject("oom")) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
+  int fd = make_memfd(size);
+  if (fd < 0) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    close(fd);
+    return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
+  }
+  *dptr = reinterpret_cast<CUdeviceptr>(p);
+  st().allocs[*dptr] = DeviceAlloc{size, fd, st().next_serial++};
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuMemFree(CUdeviceptr dptr) {
+  Call c("cuMemFree");
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  auto it = st().allocs.find(dptr);
+  if (it == st().allocs.end())
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "not the base of a cuMemAlloc allocation");
+  munmap(reinterpret_cast<void*>(dptr), it->second.size);
+  close(it->second.memfd);
+  st().allocs.erase(it);
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuMemGetAddressRange(CUdeviceptr* base, size_t* size, CUdeviceptr dptr) {
+  Call c("cuMemGetAddressRange");
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  for (auto& [b, a] : st().allocs) {
+    if (dptr >= b && dptr < b + a.size) {
+      if (base) *base = b;
+      if (size) *size = a.size;
+      return c.ret(CUDA_SUCCESS);
+    }
+  }
+  for (auto& [k, o] : st().ipc_opens) {
+    if (dptr >= o.ptr && dptr < o.ptr + o.size) {
+      if (base) *base = o.ptr;
+      if (size) *size = o.size;
+      return c.ret(CUDA_SUCCESS);
+    }
+  }
+  return c.ret(CUDA_ERROR_NOT_FOUND);
+}
+
+CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle* handle, CUdeviceptr dptr) {
+  Call c("cuIpcGetMemHandle");
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  auto it = st().allocs.find(dptr);
+  if (it == st().allocs.end())
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "not the base of a cuMemAlloc allocation");
+  if (c.inject("export")) return c.ret(CUDA_ERROR_NOT_SUPPORTED);
+  IpcWire w{};
+  std::memcpy(w.magic, kIpcMagic, sizeof w.magic);
+  w.pid = getpid();
+  w.fd = it->second.memfd;
+  w.size = it->second.size;
+  w.serial = it->second.serial;
+  std::memset(handle, 0, sizeof *handle);
+  std::memcpy(handle, &w, sizeof w);
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuIpcOpenMemHandle(CUdeviceptr* dptr, CUipcMemHandle handle, unsigned int flags) {
+  Call c("cuIpcOpenMemHandle");
+  c.arg("flags", flags);
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  if (flags != CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "flags must be CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS");
+  IpcWire w;
+  std::memcpy(&w, &handle, sizeof w);
+  if (std::memcmp(w.magic, kIpcMagic, sizeof w.magic) != 0) return c.ret(CUDA_ERROR_INVALID_VALUE);
+  // The real driver refuses to open a handle in the process that exported it.
+  if (w.pid == getpid()) return c.ret(CUDA_ERROR_INVALID_CONTEXT);
+  if (c.inject("import")) return c.ret(CUDA_ERROR_INVALID_HANDLE);
+  auto key = std::make_pair(static_cast<int>(w.pid), w.serial);
+  auto it = st().ipc_opens.find(key);
+  if (it != st().ipc_opens.end()) {
+    ++it->second.refs;
+    *dptr = it->second.ptr;
+    return c.ret(CUDA_SUCCESS);
+  }
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/fd/%d", w.pid, w.fd);
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  if (fd < 0) return c.ret(CUDA_ERROR_INVALID_HANDLE);
+  struct stat sb;
+  if (fstat(fd, &sb) != 0 || static_cast<uint64_t>(sb.st_size) != w.size) {
+    close(fd);
+    return c.ret(CUDA_ERROR_INVALID_HANDLE);
+  }
+  void* p = mmap(nullptr, w.size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (p == MAP_FAILED) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
+  IpcOpen o;
+  o.ptr = reinterpret_cast<CUdeviceptr>(p);
+  o.size = w.size;
+  o.refs = 1;
+  st().ipc_opens[key] = o;
+  *dptr = o.ptr;
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuIpcCloseMemHandle(CUdeviceptr dptr) {
+  Call c("cuIpcCloseMemHandle");
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  for (auto it = st().ipc_opens.begin(); it != st().ipc_opens.end(); ++it) {
+    if (it->second.ptr != dptr) continue;
+    if (--it->second.refs == 0) {
+      munmap(reinterpret_cast<void*>(dptr), it->second.size);
+      st().ipc_opens.erase(it);
+    }
+    return c.ret(CUDA_SUCCESS);
+  }
+  return c.violation(CUDA_ERROR_INVALID_VALUE, "not a pointer from cuIpcOpenMemHandle");
+}
+
+// ---- virtual memory management ----------------------------------------------------------------
+
+CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* g, const CUmemAllocationProp* prop,
+                                                CUmemAllocationGranularity_flags option) {
+  Call c("cuMemGetAllocationGranularity");
+  c.arg("option", option);
+  if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
+  if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
+      prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id < 0 ||
+      prop->location.id >= st().devices)
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "prop must be pinned memory on a valid device");
+  *g = st().granularity;
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
+                             const CUmemAllocationProp* prop, unsigned long long flags) {
+  Call c("cuMemCreate");
+  c.arg("size", size).arg("types", prop ? prop->requestedHandleTypes : 0);
+  if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
+  if (st().no_vmm) return c.ret(CUDA_ERROR_NOT_SUPPORTED);
+  if (flags != 0) return c.violation(CUDA_ERROR_INVALID_VALUE, "flags must be 0");
+  if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
+      prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id < 0 ||
+      prop->location.id >= st().devices || prop->win32HandleMetaData)
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "prop must be pinned memory on a valid device");
+  if (prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE &&
+      prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    return c.violation(CUDA_ERROR_NOT_SUPPORTED, "only POSIX descriptor handles exist on Linux");
+  if (size == 0 || !aligned(size))
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "size %zu is not a multiple of granularity %zu",
+                       size, st().granularity);
+  if (c.inject("oom")) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
+  int fd = make_memfd(size);
+  if (fd < 0) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
+  *handle = st().next_handle++;
+  st().physical[*handle] = Physical{fd, size, prop->requestedHandleTypes, 0, false};
+  c.arg("handle", *handle);
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
+  Call c("cuMemRelease");
+  c.arg("handle", handle);
+  auto it = st().physical.find(handle);
+  if (it == st().physical.end()) return c.violation(CUDA_ERROR_INVALID_VALUE, "unknown handle");
+  // Legal for the real driver (memory lives on until unmapped), but libbubble always unmaps
+  // first so that releasing is the moment the memory goes back.
+  if (it->second.maps > 0) c.violation(CUDA_SUCCESS, "released while still mapped");
+  close(it->second.memfd);
+  st().physical.erase(it);
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuMemExportToShareableHandle(void* shareable, CUmemGenericAllocationHandle handle,
+                                              CUmemAllocationHandleType type,
+                                              unsigned long long flags) {
+  Call c("cuMemExportToShareableHandle");
+  c.arg("handle", handle).arg("type", type);
+  auto it = st().physical.find(handle);
+  if (it == st().physical.end()) return c.violation(CUDA_ERROR_INVALID_VALUE, "unknown handle");
+  if (flags != 0) return c.violation(CUDA_ERROR_INVALID_VALUE, "flags must be 0");
+  if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR || !(it->second.types & type))
+    return c.violation(CUDA_ERROR_INVALID_VALUE,
+                       "handle type %d was not requested at cuMemCreate (requested %d)", type,
+                       it->second.types);
+  if (it->second.imported) return c.violation(CUDA_ERROR_INVALID_VALUE, "re-export of an import");
+  if (c.inject("export")) return c.ret(CUDA_ERROR_NOT_SUPPORTED);
+  // Like the real driver, the descriptor is not close-on-exec: the caller must see to it.
+  int fd = dup(it->second.memfd);
+  if (fd < 0) return c.ret(CUDA_ERROR_OPERATING_SYSTEM);
+  *static_cast<int*>(shareable) = fd;
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* handle, void* os,
+                                                CUmemAllocationHandleType type) {
+  Call c("cuMemImportFromShareableHandle");
+  c.arg("type", type);
+  if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
+  if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "handle type must be POSIX descriptor");
+  int fd = static_cast<int>(reinterpret_cast<intptr_t>(os));
+  struct stat sb;
+  if (fd < 0 || fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode) || sb.st_size <= 0)
+    return c.ret(CUDA_ERROR_INVALID_VALUE);
+  char path[64], target[128] = {};
+  std::snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+  if (readlink(path, target, sizeof target - 1) <= 0 ||
+      std::strncmp(target, "/memfd:cuda-double", 18) != 0)
+    return c.ret(CUDA_ERROR_INVALID_VALUE);  // not a descriptor this driver exported
+  if (c.inject("import")) return c.ret(CUDA_ERROR_INVALID_HANDLE);
+  int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);  // the caller keeps its descriptor
+  if (own < 0) return c.ret(CUDA_ERROR_OPERATING_SYSTEM);
+  *handle = st().next_handle++;
+  st().physical[*handle] =
+      Physical{own, static_cast<size_t>(sb.st_size), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0, true};
+  c.arg("handle", *handle);
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment,
+                                     CUdeviceptr addr, unsigned long long flags) {
+  Call c("cuMemAddressReserve");
+  c.arg("size", size).arg("alignment", alignment);
+  if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
+  if (size == 0 || !aligned(size) || flags != 0 || addr != 0 ||
+      (alignment && (alignment & (alignment - 1))))
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "size %zu / alignment %zu not granular", size,
+                       alignment);
+  if (c.inject("reserve")) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
+  size_t align = alignment ? alignment : st().granularity;
+  size_t span = size + align;
+  void* raw = mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
+  uintptr_t r = reinterpret_cast<uintptr_t>(raw);
+  uintptr_t a = (r + align - 1) & ~(uintptr_t{align} - 1);
+  if (a > r) munmap(raw, a - r);
+  if (a + size < r + span) munmap(reinterpret_cast<void*>(a + size), r + span - (a + size));
+  *ptr = a;
+  st().reservations[a] = Reservation{size};
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  Call c("cuMemAddressFree");
+  c.arg("size", size);
+  auto it = st().reservations.find(ptr);
+  if (it == st().reservations.end() || it->second.size != size)
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "not a reservation made with this size");
+  if (overlaps_mapping(ptr, size))
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "freed address range still has mappings");
+  munmap(reinterpret_cast<void*>(ptr), size);
+  st().reservations.erase(it);
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                          CUmemGenericAllocationHandle handle, unsigned long long flags) {
+  Call c("cuMemMap");
+  c.arg("size", size).arg("offset", offset).arg("handle", handle);
+  auto it = st().physical.find(handle);
+  if (it == st().physical.end()) return c.violation(CUDA_ERROR_INVALID_VALUE, "unknown handle");
+  if (offset != 0) return c.violation(CUDA_ERROR_INVALID_VALUE, "offset must be 0");
+  if (flags != 0) return c.violation(CUDA_ERROR_INVALID_VALUE, "flags must be 0");
+  if (!aligned(ptr) || !aligned(size) || size == 0 || size > it->second.size)
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "ptr/size not granular or larger than handle");
+  if (!inside_reservation(ptr, size))
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "range not inside a reservation");
+  if (overlaps_mapping(ptr, size))
+    return c.violation(CUDA_ERROR_ALREADY_MAPPED, "range already mapped");
+  if (c.inject("map")) return c.ret(CUDA_ERROR_MAP_FAILED);
+  if (mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE, MAP_SHARED | MAP_FIXED,
+           it->second.memfd, 0) == MAP_FAILED)
+    return c.ret(CUDA_ERROR_MAP_FAILED);
+  ++it->second.maps;
+  st().mappings[ptr] = Mapping{size, handle, 0};
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  Call c("cuMemUnmap");
+  c.arg("size", size);
+  auto it = st().mappings.find(ptr);
+  if (it == st().mappings.end() || it->second.size != size)
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "not exactly one mapping");
+  mmap(reinterpret_cast<void*>(ptr), size, PROT_NONE,
+       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  auto p = st().physical.find(it->second.handle);
+  if (p != st().physical.end()) --p->second.maps;
+  st().mappings.erase(it);
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc,
+                                size_t count) {
+  Call c("cuMemSetAccess");
+  c.arg("size", size).arg("count", count);
+  if (!desc || count == 0) return c.violation(CUDA_ERROR_INVALID_VALUE, "no access descriptor");
+  int prot = PROT_NONE;
+  for (size_t i = 0; i < count; ++i) {
+    c.arg("dev", desc[i].location.id).arg("flags", desc[i].flags);
+    if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc[i].location.id < 0 ||
+        desc[i].location.id >= st().devices)
+      return c.violation(CUDA_ERROR_INVALID_DEVICE, "access location is not a valid device");
+    if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE) prot = PROT_READ | PROT_WRITE;
+    else if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READ) prot |= PROT_READ;
+    else if (desc[i].flags != CU_MEM_ACCESS_FLAGS_PROT_NONE)
+      return c.violation(CUDA_ERROR_INVALID_VALUE, "unknown access flags %d", desc[i].flags);
+  }
+  // The whole range must be covered by mappings, exactly as the driver requires.
+  CUdeviceptr pos = ptr;
+  while (pos < ptr + size) {
+    auto it = st().mappings.find(pos);
+    if (it == st().mappings.end())
+      return c.violation(CUDA_ERROR_INVALID_VALUE, "range is not fully mapped");
+    pos += it->second.size;
+  }
+  if (pos != ptr + size) return c.violation(CUDA_ERROR_INVALID_VALUE, "range ends mid-mapping");
+  if (c.inject("access")) return c.ret(CUDA_ERROR_NOT_PERMITTED);
+  mprotect(reinterpret_cast<void*>(ptr), size, prot);
+  for (pos = ptr; pos < ptr + size; pos += st().mappings[pos].size)
+    st().mappings[pos].flags = prot;
+  return c.ret(CUDA_SUCCESS);
+}
+
+// ---- entry point lookup -----------------------------------------------------------------------
+
+CUresult CUDAAPI cuGetProcAddress(const char* symbol, void** pfn, int version, cuuint64_t flags,
+                                  CUdriverProcAddressQueryResult* status) {
+  struct Entry {
+    const char* name;
+    void* fn;
+  };
+#define BBD_ENTRY_(fn) {#fn, reinterpret_cast<void*>(&fn)}
+  static const Entry table[] = {
+      BBD_ENTRY_(cuInit), BBD_ENTRY_(cuDriverGetVersion), BBD_ENTRY_(cuGetErrorName),
+      BBD_ENTRY_(cuGetErrorString), BBD_ENTRY_(cuDeviceGetCount), BBD_ENTRY_(cuDeviceGet),
+      BBD_ENTRY_(cuDeviceGetAttribute), BBD_ENTRY_(cuDevicePrimaryCtxRetain),
+      BBD_ENTRY_(cuDevicePrimaryCtxRelease), BBD_ENTRY_(cuCtxGetCurrent),
+      BBD_ENTRY_(cuCtxSetCurrent), BBD_ENTRY_(cuMemAlloc), BBD_ENTRY_(cuMemFree),
+      BBD_ENTRY_(cuMemGetAddressRange), BBD_ENTRY_(cuIpcGetMemHandle),
+      BBD_ENTRY_(cuIpcOpenMemHandle), BBD_ENTRY_(cuIpcCloseMemHandle),
+      BBD_ENTRY_(cuMemGetAllocationGranularity), BBD_ENTRY_(cuMemCreate),
+      BBD_ENTRY_(cuMemRelease), BBD_ENTRY_(cuMemExportToShareableHandle),
+      BBD_ENTRY_(cuMemImportFromShareableHandle), BBD_ENTRY_(cuMemAddressReserve),
+      BBD_ENTRY_(cuMemAddressFree), BBD_ENTRY_(cuMemMap), BBD_ENTRY_(cuMemUnmap),
+      BBD_ENTRY_(cuMemSetAccess),
+  };
+#undef BBD_ENTRY_
+  if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;
+  *pfn = nullptr;
+  if (status) *status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  std::lock_guard<std::mutex> lock(st().mu);
+  if (version > kDriverVersion || (flags & ~cuuint64_t{3})) return CUDA_ERROR_INVALID_VALUE;
+  if (st().no_proc_address) return CUDA_SUCCESS;
+  for (const Entry& e : table) {
+    // #fn spells the base name; the macros of cuda.h made the definitions the versioned ones.
+    if (std::strcmp(e.name, symbol) == 0) {
+      *pfn = e.fn;
+      if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+      ++st().proc_lookups;
+      return CUDA_SUCCESS;
+    }
+  }
+  return CUDA_SUCCESS;
+}
+
+}  // extern "C"

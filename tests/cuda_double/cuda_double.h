@@ -1,0 +1,55 @@
+/* Control interface of the fake CUDA driver (libbubble_cuda_double.so).
+ *
+ * The double implements the driver entry points libbubble uses, with host memory standing in for
+ * device memory, and records what it was asked. Tests reach these functions with dlsym on the
+ * handle the loader opened (CudaDriver::dl_handle), never by linking.
+ *
+ * Environment, read when the library loads and again by bbdouble_reset():
+ *   BUBBLE_CUDA_DOUBLE_FAIL         comma-separated failures to inject, each KIND or KIND@N (the
+ *                                   N-th call of that kind fails, counting from 1; without @N
+ *                                   every call does). Kinds: oom (cuMemCreate, cuMemAlloc),
+ *                                   export (cuMemExportToShareableHandle, cuIpcGetMemHandle),
+ *                                   import (cuMemImportFromShareableHandle, cuIpcOpenMemHandle),
+ *                                   map (cuMemMap), access (cuMemSetAccess),
+ *                                   reserve (cuMemAddressReserve).
+ *   BUBBLE_CUDA_DOUBLE_DEVICES      GPUs to pretend (default 1; 0 makes cuInit fail NO_DEVICE).
+ *   BUBBLE_CUDA_DOUBLE_GRANULARITY  allocation granularity in bytes (default 2 MiB).
+ *   BUBBLE_CUDA_DOUBLE_NO_PROC_ADDRESS=1  cuGetProcAddress finds nothing (loaders fall back).
+ *   BUBBLE_CUDA_DOUBLE_NO_VMM=1     devices report no virtual memory management support.
+ */
+#ifndef BUBBLE_TESTS_CUDA_DOUBLE_H
+#define BUBBLE_TESTS_CUDA_DOUBLE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct bbdouble_counts {
+  uint64_t physical;      /* cuMemCreate/cuMemImportFromShareableHandle handles not released */
+  uint64_t mappings;      /* cuMemMap ranges not unmapped */
+  uint64_t reservations;  /* cuMemAddressReserve ranges not freed */
+  uint64_t device_allocs; /* cuMemAlloc allocations not freed */
+  uint64_t ipc_opens;     /* cuIpcOpenMemHandle references not closed */
+  uint64_t ctx_retains;   /* primary context references not released */
+  uint64_t proc_lookups;  /* symbols served by cuGetProcAddress since the last reset */
+  uint64_t violations;    /* misuses seen since the last reset */
+} bbdouble_counts;
+
+/* Re-reads the environment, clears the call log, the violations and the failure counters.
+ * Allocations stay (they are real state). */
+void bbdouble_reset(void);
+void bbdouble_outstanding(bbdouble_counts *out);
+/* The call log since the last reset, one "name key=value ... -> CUDA_..." line per call.
+ * Copies up to cap - 1 bytes and a NUL; returns the full length. */
+size_t bbdouble_log(char *buf, size_t cap);
+/* The violations since the last reset, one per line; same convention. */
+size_t bbdouble_violations(char *buf, size_t cap);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

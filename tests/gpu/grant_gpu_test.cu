@@ -1,0 +1,226 @@
+// Memory grants on a real GPU: the trainer lends, grants and revokes; a side-task process maps
+// the grant, a kernel writes a pattern, the trainer reads it back.
+//
+//   bubble_grant_gpu_test [cuda-vmm|cuda-ipc|all]     (default: all)
+//
+// Exit status: 0 passed, 1 failed, 77 skipped (no GPU or no CUDA driver here). The task side is
+// this same program started as "bubble_grant_gpu_test --task <socket-fd>".
+#include <cuda_runtime.h>
+#include <fcntl.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/cuda_driver.h"
+#include "core/grant_lender.h"
+#include "shm/fd_passing.h"
+
+using namespace bb;
+
+namespace {
+
+constexpr uint32_t kOpGrant = 1;   // map the grant, run the kernel, reply
+constexpr uint32_t kOpRevoke = 2;  // unmap, reply (the ack)
+
+struct Request {
+  uint32_t op;
+  uint32_t seed;
+  core::Grant grant;
+};
+
+struct Reply {
+  int32_t status;
+  char error[500];
+};
+
+__host__ __device__ inline uint32_t pattern_word(uint32_t seed, uint64_t i) {
+  return seed ^ static_cast<uint32_t>(i * 2654435761u);
+}
+
+__global__ void fill(uint32_t* p, uint64_t words, uint32_t seed) {
+  for (uint64_t i = blockIdx.x * uint64_t{blockDim.x} + threadIdx.x; i < words;
+       i += uint64_t{gridDim.x} * blockDim.x)
+    p[i] = pattern_word(seed, i);
+}
+
+uint64_t now_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
+}
+
+bool reply(int sock, bb_status st, const std::string& msg) {
+  Reply r{};
+  r.status = st;
+  std::snprintf(r.error, sizeof r.error, "%s", msg.c_str());
+  std::string err;
+  return shm::send_fds(sock, &r, sizeof r, nullptr, 0, &err) == BB_OK;
+}
+
+// The side task: serves requests until the socket closes.
+int run_task(int sock) {
+  std::unique_ptr<core::GrantMapping> held;
+  for (;;) {
+    Request req;
+    int fd = -1;
+    size_t len = 0, nfds = 0;
+    std::string err;
+    if (shm::recv_fds(sock, &req, sizeof req, &len, &fd, 1, &nfds, &err) != BB_OK) return 3;
+    if (len == 0) return 0;
+    if (req.op == kOpRevoke) {
+      bb_status st = held ? held->unmap(&err) : BB_E_STATE;
+      held.reset();
+      if (!reply(sock, st, err)) return 4;
+      continue;
+    }
+    bb_status st = core::map_grant(req.grant, fd, &held, &err);
+    if (fd >= 0) close(fd);
+    if (st == BB_OK) {
+      fill<<<128, 256>>>(static_cast<uint32_t*>(held->ptr()), held->size() / 4, req.seed);
+      cudaError_t ce = cudaDeviceSynchronize();
+      if (ce != cudaSuccess) {
+        st = BB_E_SYSTEM;
+        err = std::string("the kernel writing the grant failed: ") + cudaGetErrorString(ce);
+      }
+    }
+    if (!reply(sock, st, err)) return 4;
+  }
+}
+
+struct Child {
+  pid_t pid = -1;
+  int sock = -1;
+  ~Child() {
+    if (sock >= 0) close(sock);
+    if (pid > 0) {
+      for (int i = 0; i < 1000; ++i) {
+        if (waitpid(pid, nullptr, WNOHANG) == pid) return;
+        usleep(10000);
+      }
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  }
+};
+
+bool start_task(Child* c) {
+  static const char self[] = "/proc/self/exe";
+  int sv[2];
+  if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) return false;
+  c->pid = fork();
+  if (c->pid == 0) {
+    if (sv[1] == 3) fcntl(3, F_SETFD, 0); else dup2(sv[1], 3);
+    execl(self, "bubble_grant_gpu_test", "--task", "3", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(sv[1]);
+  c->sock = sv[0];
+  timeval tv{60, 0};
+  setsockopt(c->sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return c->pid > 0;
+}
+
+bool request(Child& c, const Request& req, int fd, Reply* rep, std::string* err) {
+  size_t len = 0, nfds = 0;
+  if (shm::send_fds(c.sock, &req, sizeof req, fd >= 0 ? &fd : nullptr, fd >= 0 ? 1 : 0, err) !=
+      BB_OK)
+    return false;
+  if (shm::recv_fds(c.sock, rep, sizeof *rep, &len, nullptr, 0, &nfds, err) != BB_OK) return false;
+  if (len != sizeof *rep) {
+    *err = "the task closed its socket";
+    return false;
+  }
+  return true;
+}
+
+#define EXPECT(cond, ...)                                              \
+  do {                                                                 \
+    if (!(cond)) {                                                     \
+      std::fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+      std::fprintf(stderr, __VA_ARGS__);                               \
+      std::fprintf(stderr, "\n");                                      \
+      return false;                                                    \
+    }                                                                  \
+  } while (0)
+
+bool run_backend(core::GrantBackend backend) {
+  std::string err;
+  core::LendOptions o;
+  o.backend = backend;
+  o.bytes = 256ull << 20;
+  std::unique_ptr<core::GrantLender> lender;
+  bb_status st = core::GrantLender::create(o, &lender, &err);
+  EXPECT(st == BB_OK, "lend: %s", err.c_str());
+  Child task;
+  EXPECT(start_task(&task), "could not start the task process");
+
+  for (uint32_t round = 0; round < 3; ++round) {
+    const uint64_t size = (uint64_t{round} + 1) * (24ull << 20) + 4 * round;
+    core::Grant g;
+    st = lender->grant(size, 1, &g, &err);
+    EXPECT(st == BB_OK, "grant: %s", err.c_str());
+    Request req{kOpGrant, 0x5eed0000u + round, core::wire_copy(g)};
+    Reply rep{};
+    EXPECT(request(task, req, g.handle.fd, &rep, &err), "%s", err.c_str());
+    EXPECT(rep.status == BB_OK, "task: %s", rep.error);
+
+    // The trainer reads what the task's kernel wrote, through its own address of the grant.
+    std::vector<uint32_t> host(size / 4);
+    cudaError_t ce = cudaMemcpy(host.data(), reinterpret_cast<void*>(lender->address(g.id)),
+                                host.size() * 4, cudaMemcpyDeviceToHost);
+    EXPECT(ce == cudaSuccess, "cudaMemcpy: %s", cudaGetErrorString(ce));
+    for (uint64_t i = 0; i < host.size(); ++i)
+      EXPECT(host[i] == pattern_word(req.seed, i), "word %llu is %08x, expected %08x",
+             static_cast<unsigned long long>(i), host[i], pattern_word(req.seed, i));
+
+    // Revocation: REVOKE with a deadline, the task unmaps and acks, then the memory goes back.
+    st = lender->revoke(g.id, now_ns() + 5'000'000'000ull, &err);
+    EXPECT(st == BB_OK, "revoke: %s", err.c_str());
+    req.op = kOpRevoke;
+    EXPECT(request(task, req, -1, &rep, &err), "%s", err.c_str());
+    EXPECT(rep.status == BB_OK, "task unmap: %s", rep.error);
+    st = lender->release(g.id, &err);
+    EXPECT(st == BB_OK, "release: %s", err.c_str());
+  }
+  core::LenderStats s = lender->stats();
+  EXPECT(s.granted_bytes == 0 && s.active == 0 && s.revoking == 0, "grants left behind");
+  std::printf("ok   %s: 3 grants written by a kernel in another process, read back, revoked\n",
+              core::grant_backend_name(backend));
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc == 3 && std::strcmp(argv[1], "--task") == 0) return run_task(std::atoi(argv[2]));
+  std::string which = argc > 1 ? argv[1] : "all";
+  std::string err;
+  const core::CudaDriver* drv = core::cuda_driver(&err);
+  if (!drv) {
+    std::printf("skip: %s\n", err.c_str());
+    return 77;
+  }
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    std::printf("skip: the CUDA runtime sees no GPU\n");
+    return 77;
+  }
+  cudaSetDevice(0);
+  cudaFree(nullptr);  // make the primary context, which libbubble shares
+  std::printf("driver %d.%d from %s, %d GPU(s)\n", drv->driver_version / 1000,
+              drv->driver_version % 1000 / 10, drv->path.c_str(), n);
+  bool ok = true;
+  if (which == "all" || which == "cuda-vmm") ok &= run_backend(core::GrantBackend::kCudaVmm);
+  if (which == "all" || which == "cuda-ipc") ok &= run_backend(core::GrantBackend::kCudaIpc);
+  std::printf("%s\n", ok ? "PASS" : "FAIL");
+  return ok ? 0 : 1;
+}

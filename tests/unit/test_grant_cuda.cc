@@ -1,0 +1,559 @@
+// The CUDA grant backends and the run-time driver loader, against the fake driver.
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "core/cuda_driver.h"
+#include "core/grant_lender.h"
+#include "test_grant_support.h"
+
+using namespace bb::core;
+using bb::test::count_open_fds;
+using bb::test::Double;
+using bb::test::pattern_word;
+using bb::test::Peer;
+using bb::test::PeerReply;
+using bb::test::PeerRequest;
+using bb::test::ScopedEnv;
+using Calls = std::vector<std::string>;
+
+namespace {
+
+constexpr uint64_t kMiB = 1ull << 20;
+constexpr uint64_t kGran = 2 * kMiB;  // the double's default granularity
+
+// One driver table over the double for the whole file; each test resets the double's log.
+const CudaDriver& drv() {
+  static std::unique_ptr<CudaDriver> d = [] {
+    std::unique_ptr<CudaDriver> out;
+    std::string err;
+    REQUIRE_MESSAGE(CudaDriver::open(BUBBLE_CUDA_DOUBLE_PATH, &out, &err) == BB_OK, err);
+    return out;
+  }();
+  return *d;
+}
+
+Double& dbl() {
+  static Double d(drv());
+  REQUIRE(d.ok());
+  return d;
+}
+
+// Resets the double and remembers nothing is outstanding; the destructor checks it stays so.
+struct Clean {
+  Clean() {
+    dbl().reset();
+    bbdouble_counts c = dbl().counts();
+    REQUIRE(c.physical + c.mappings + c.reservations + c.device_allocs + c.ipc_opens +
+                c.ctx_retains == 0);
+  }
+  ~Clean() {
+    bbdouble_counts c = dbl().counts();
+    CHECK(c.physical == 0);
+    CHECK(c.mappings == 0);
+    CHECK(c.reservations == 0);
+    CHECK(c.device_allocs == 0);
+    CHECK(c.ipc_opens == 0);
+    CHECK(c.ctx_retains == 0);
+    CHECK_MESSAGE(c.violations == 0, dbl().violations());
+  }
+};
+
+std::unique_ptr<GrantLender> lender(GrantBackend b, uint64_t bytes, uint64_t device_ptr = 0,
+                                    bb_status expect = BB_OK, std::string* err_out = nullptr) {
+  LendOptions o;
+  o.backend = b;
+  o.bytes = bytes;
+  o.device_ptr = device_ptr;
+  o.driver = &drv();
+  std::unique_ptr<GrantLender> l;
+  std::string err;
+  bb_status st = GrantLender::create(o, &l, &err);
+  REQUIRE_MESSAGE(st == expect, err);
+  if (err_out) *err_out = err;
+  return l;
+}
+
+bool pattern_ok(uint64_t addr, uint64_t size, uint32_t seed) {
+  auto* w = reinterpret_cast<const uint32_t*>(addr);
+  for (uint64_t i = 0; i < size / 4; ++i)
+    if (w[i] != pattern_word(seed, i)) return false;
+  return true;
+}
+
+std::string double_env() { return std::string("BUBBLE_CUDA_DRIVER=") + BUBBLE_CUDA_DOUBLE_PATH; }
+
+}  // namespace
+
+TEST_CASE("the driver loader resolves its table through cuGetProcAddress") {
+  Clean clean;
+  std::unique_ptr<CudaDriver> d;
+  std::string err;
+  REQUIRE_MESSAGE(CudaDriver::open(BUBBLE_CUDA_DOUBLE_PATH, &d, &err) == BB_OK, err);
+  CHECK(d->via_proc_address);
+  CHECK(dbl().counts().proc_lookups == 27);
+  CHECK(d->driver_version == 13000);
+  CHECK(d->device_count == 1);
+  CHECK(d->path == BUBBLE_CUDA_DOUBLE_PATH);
+  CHECK(dbl().calls("cuInit") == Calls{"cuInit"});
+  CHECK(d->describe("cuMemCreate", CUDA_ERROR_OUT_OF_MEMORY) ==
+        "cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory)");
+}
+
+TEST_CASE("the driver loader falls back to dlsym of versioned names") {
+  Clean clean;
+  ScopedEnv env("BUBBLE_CUDA_DOUBLE_NO_PROC_ADDRESS", "1");
+  dbl().reset();
+  std::unique_ptr<CudaDriver> d;
+  std::string err;
+  REQUIRE_MESSAGE(CudaDriver::open(BUBBLE_CUDA_DOUBLE_PATH, &d, &err) == BB_OK, err);
+  CHECK(!d->via_proc_address);
+  CHECK(dbl().counts().proc_lookups == 0);
+  // The _v2 entry points really are the ones found.
+  CHECK(reinterpret_cast<void*>(d->MemAlloc) == dlsym(d->dl_handle, "cuMemAlloc_v2"));
+  CHECK(reinterpret_cast<void*>(d->DevicePrimaryCtxRelease) ==
+        dlsym(d->dl_handle, "cuDevicePrimaryCtxRelease_v2"));
+}
+
+TEST_CASE("a missing CUDA driver gives BB_E_UNSUPPORTED with a clear message") {
+  std::unique_ptr<CudaDriver> d;
+  std::string err;
+  CHECK(CudaDriver::open("/nonexistent/libcuda.so.1", &d, &err) == BB_E_UNSUPPORTED);
+  CHECK(!d);
+  CHECK(err.find("/nonexistent/libcuda.so.1") != std::string::npos);
+  CHECK(err.find("BUBBLE_CUDA_DRIVER") != std::string::npos);
+  CHECK(err.find("host grant backend") != std::string::npos);
+
+  // Through the process-wide loader, as the hub and tasks use it: in a child, because the
+  // driver is loaded once per process.
+  int rc = bb::test::run_in_child([] {
+    setenv("BUBBLE_CUDA_DRIVER", "/nonexistent/libcuda.so.1", 1);
+    std::string e;
+    if (cuda_driver(&e) != nullptr) return 1;
+    if (e.find("/nonexistent/libcuda.so.1") == std::string::npos) return 2;
+    for (GrantBackend b : {GrantBackend::kCudaIpc, GrantBackend::kCudaVmm}) {
+      LendOptions o;
+      o.backend = b;
+      o.bytes = 4 * kMiB;
+      std::unique_ptr<GrantLender> l;
+      e.clear();
+      if (GrantLender::create(o, &l, &e) != BB_E_UNSUPPORTED || l) return 3;
+      if (e.find("needs the CUDA driver") == std::string::npos ||
+          e.find("BUBBLE_CUDA_DRIVER") == std::string::npos)
+        return 4;
+    }
+    Grant g;
+    g.id = 1;
+    g.size = kGran;
+    g.backend = GrantBackend::kCudaVmm;
+    g.handle.map_size = kGran;
+    g.handle.device = 0;
+    std::unique_ptr<GrantMapping> m;
+    if (map_grant(g, 0, &m, &e) != BB_E_UNSUPPORTED) return 5;
+    if (e.find("without the CUDA driver") == std::string::npos) return 6;
+    // Everything else still works.
+    LendOptions o;
+    o.backend = GrantBackend::kHost;
+    o.bytes = 1 * kMiB;
+    std::unique_ptr<GrantLender> l;
+    if (GrantLender::create(o, &l, &e) != BB_OK || l->grant(100, 1, &g, &e) != BB_OK) return 7;
+    return 0;
+  });
+  CHECK(rc == 0);
+}
+
+TEST_CASE("the process-wide loader honours BUBBLE_CUDA_DRIVER") {
+  int rc = bb::test::run_in_child([] {
+    setenv("BUBBLE_CUDA_DRIVER", BUBBLE_CUDA_DOUBLE_PATH, 1);
+    std::string e;
+    const CudaDriver* d = cuda_driver(&e);
+    if (!d || d->path != BUBBLE_CUDA_DOUBLE_PATH) return 1;
+    if (cuda_driver(&e) != d) return 2;  // resolved once
+    LendOptions o;
+    o.backend = GrantBackend::kCudaVmm;
+    o.bytes = 4 * kMiB;  // driver left null: the process's driver
+    std::unique_ptr<GrantLender> l;
+    Grant g;
+    if (GrantLender::create(o, &l, &e) != BB_OK || l->grant(1, 1, &g, &e) != BB_OK) return 3;
+    return 0;
+  });
+  CHECK(rc == 0);
+}
+
+TEST_CASE("a driver without GPUs or without VMM is refused with the reason") {
+  Clean clean;
+  {
+    ScopedEnv env("BUBBLE_CUDA_DOUBLE_DEVICES", "0");
+    dbl().reset();
+    std::unique_ptr<CudaDriver> d;
+    std::string err;
+    CHECK(CudaDriver::open(BUBBLE_CUDA_DOUBLE_PATH, &d, &err) == BB_E_UNSUPPORTED);
+    CHECK(err.find("found no GPU") != std::string::npos);
+  }
+  {
+    ScopedEnv env("BUBBLE_CUDA_DOUBLE_NO_VMM", "1");
+    dbl().reset();
+    std::string err;
+    lender(GrantBackend::kCudaVmm, 8 * kMiB, 0, BB_E_UNSUPPORTED, &err);
+    CHECK(err.find("use the cuda-ipc backend") != std::string::npos);
+  }
+  dbl().reset();
+  LendOptions o;
+  o.backend = GrantBackend::kCudaVmm;
+  o.bytes = 8 * kMiB;
+  o.device = 3;
+  o.driver = &drv();
+  std::unique_ptr<GrantLender> l;
+  std::string err;
+  CHECK(GrantLender::create(o, &l, &err) == BB_E_INVALID);
+  CHECK(err.find("device 3 does not exist") != std::string::npos);
+}
+
+TEST_CASE("cuda-vmm: lend, grant, import, write, unmap, release in the driver's order") {
+  const int fds_before = count_open_fds();
+  {
+    Clean clean;
+    auto l = lender(GrantBackend::kCudaVmm, 16 * kMiB + 12345);
+    CHECK(l->capacity() == 16 * kMiB);
+    CHECK(l->alignment() == kGran);
+    CHECK(dbl().calls("cuMemAddressReserve,cuMemCreate") == Calls{"cuMemAddressReserve"});
+
+    dbl().reset();
+    std::string err;
+    Grant g;
+    REQUIRE_MESSAGE(l->grant(3 * kMiB, 1, &g, &err) == BB_OK, err);
+    CHECK(g.backend == GrantBackend::kCudaVmm);
+    CHECK(g.size == 3 * kMiB);
+    CHECK(g.handle.map_size == 4 * kMiB);
+    CHECK(g.handle.map_offset == 0);
+    CHECK(g.offset % kGran == 0);
+    CHECK(g.handle.device == 0);
+    REQUIRE(g.handle.fd >= 0);
+    CHECK(bb::test::cloexec(g.handle.fd));  // the driver's descriptor is inheritable
+    CHECK(dbl().calls("cuMemCreate,cuMemMap,cuMemSetAccess,cuMemExportToShareableHandle,"
+                      "cuMemUnmap,cuMemRelease") ==
+          Calls{"cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemExportToShareableHandle"});
+    std::string log = dbl().log();
+    CHECK(log.find("cuMemCreate size=4194304 types=1") != std::string::npos);
+    CHECK(log.find("dev=0 flags=3") != std::string::npos);  // read-write for the device
+
+    dbl().reset();
+    std::unique_ptr<GrantMapping> m;
+    REQUIRE_MESSAGE(map_grant(wire_copy(g), g.handle.fd, &m, &err, &drv()) == BB_OK, err);
+    CHECK(dbl().calls("cuMemImportFromShareableHandle,cuMemAddressReserve,cuMemMap,"
+                      "cuMemSetAccess") ==
+          Calls{"cuMemImportFromShareableHandle", "cuMemAddressReserve", "cuMemMap",
+                "cuMemSetAccess"});
+    CHECK(m->size() == 3 * kMiB);
+    CHECK(m->grant_id() == g.id);
+    CHECK(m->ptr() != reinterpret_cast<void*>(l->address(g.id)));
+    auto* w = static_cast<uint32_t*>(m->ptr());
+    for (uint64_t i = 0; i < g.size / 4; ++i) w[i] = pattern_word(99, i);
+    CHECK(pattern_ok(l->address(g.id), g.size, 99));  // same physical memory
+
+    dbl().reset();
+    REQUIRE(m->unmap(&err) == BB_OK);
+    CHECK(m->unmap(&err) == BB_OK);  // idempotent
+    CHECK(dbl().calls("cuMemUnmap,cuMemRelease,cuMemAddressFree") ==
+          Calls{"cuMemUnmap", "cuMemRelease", "cuMemAddressFree"});
+
+    dbl().reset();
+    REQUIRE(l->release(g.id, &err) == BB_OK);
+    CHECK(dbl().calls("cuMemUnmap,cuMemRelease,cuMemAddressFree") ==
+          Calls{"cuMemUnmap", "cuMemRelease"});
+    CHECK(dbl().counts().physical == 0);
+    CHECK(dbl().counts().reservations == 1);  // the lent range itself
+    l.reset();
+    CHECK(dbl().calls("cuMemAddressFree") == Calls{"cuMemAddressFree"});
+  }
+  CHECK(count_open_fds() == fds_before);
+}
+
+TEST_CASE("cuda-vmm: grants never overlap and a lender torn down with live grants frees all") {
+  Clean clean;
+  auto l = lender(GrantBackend::kCudaVmm, 10 * kMiB);
+  std::string err;
+  std::vector<Grant> gs;
+  for (uint64_t size : {uint64_t{1}, kGran + 1, 3 * kMiB}) {
+    Grant g;
+    REQUIRE(l->grant(size, 1, &g, &err) == BB_OK);
+    gs.push_back(g);
+  }
+  Grant g;
+  CHECK(l->grant(kGran + 1, 1, &g, &err) == BB_E_NOMEM);  // 2 + 4 + 4 = 10 MiB taken
+  for (size_t i = 0; i < gs.size(); ++i)
+    for (size_t j = i + 1; j < gs.size(); ++j)
+      CHECK((gs[i].offset + gs[i].handle.map_size <= gs[j].offset ||
+             gs[j].offset + gs[j].handle.map_size <= gs[i].offset));
+  CHECK(dbl().counts().physical == 3);
+  CHECK(l->stats().granted_bytes == 10 * kMiB);
+  l.reset();  // Clean checks that nothing is left
+}
+
+TEST_CASE("cuda-vmm: every injected exporter failure leaves nothing allocated") {
+  struct Case {
+    const char* spec;
+    bb_status status;
+    const char* says;
+  };
+  const Case cases[] = {
+      {"oom", BB_E_NOMEM, "cuMemCreate of a 2097152-byte grant failed: CUDA_ERROR_OUT_OF_MEMORY"},
+      {"map", BB_E_SYSTEM, "cuMemMap of a grant into the lent range failed"},
+      {"access", BB_E_PERMISSION, "cuMemSetAccess on a grant failed"},
+      {"export", BB_E_UNSUPPORTED, "cuMemExportToShareableHandle of a grant failed"},
+  };
+  const int fds_before = count_open_fds();
+  for (const Case& c : cases) {
+    CAPTURE(c.spec);
+    Clean clean;
+    auto l = lender(GrantBackend::kCudaVmm, 8 * kMiB);
+    {
+      ScopedEnv env("BUBBLE_CUDA_DOUBLE_FAIL", c.spec);
+      dbl().reset();
+      std::string err;
+      Grant g;
+      CHECK(l->grant(kGran, 1, &g, &err) == c.status);
+      CHECK_MESSAGE(err.find(c.says) != std::string::npos, err);
+      bbdouble_counts n = dbl().counts();
+      CHECK(n.physical == 0);
+      CHECK(n.mappings == 0);
+      CHECK(n.reservations == 1);
+      CHECK(l->stats().granted_bytes == 0);
+      CHECK(l->stats().grants_failed == 1);
+    }
+    dbl().reset();
+    std::string err;
+    Grant g;
+    REQUIRE(l->grant(8 * kMiB, 1, &g, &err) == BB_OK);  // the whole range is free again
+    CHECK(g.offset == 0);
+  }
+  {
+    Clean clean;
+    ScopedEnv env("BUBBLE_CUDA_DOUBLE_FAIL", "reserve");
+    dbl().reset();
+    std::string err;
+    lender(GrantBackend::kCudaVmm, 8 * kMiB, 0, BB_E_NOMEM, &err);
+    CHECK(err.find("cuMemAddressReserve") != std::string::npos);
+  }
+  CHECK(count_open_fds() == fds_before);
+}
+
+TEST_CASE("cuda-vmm: every injected importer failure leaves nothing of the import") {
+  // The exporter's own reserve/map/access are call 1 of their kind; the importer's are call 2.
+  const char* specs[] = {"import", "reserve@2", "map@2", "access@2"};
+  const int fds_before = count_open_fds();
+  for (const char* spec : specs) {
+    CAPTURE(spec);
+    Clean clean;
+    ScopedEnv env("BUBBLE_CUDA_DOUBLE_FAIL", spec);
+    dbl().reset();
+    auto l = lender(GrantBackend::kCudaVmm, 8 * kMiB);
+    std::string err;
+    Grant g;
+    REQUIRE_MESSAGE(l->grant(kGran, 1, &g, &err) == BB_OK, err);
+    const bbdouble_counts before = dbl().counts();
+    std::unique_ptr<GrantMapping> m;
+    CHECK(map_grant(wire_copy(g), g.handle.fd, &m, &err, &drv()) != BB_OK);
+    CHECK(!m);
+    CHECK(!err.empty());
+    bbdouble_counts after = dbl().counts();
+    CHECK(after.physical == before.physical);
+    CHECK(after.mappings == before.mappings);
+    CHECK(after.reservations == before.reservations);
+    CHECK(after.ctx_retains == before.ctx_retains);
+  }
+  CHECK(count_open_fds() == fds_before);
+}
+
+TEST_CASE("cuda-vmm: an importer refuses a record whose size is not granular") {
+  Clean clean;
+  auto l = lender(GrantBackend::kCudaVmm, 8 * kMiB);
+  std::string err;
+  Grant g;
+  REQUIRE(l->grant(kGran, 1, &g, &err) == BB_OK);
+  Grant bad = wire_copy(g);
+  bad.handle.map_size += 4096;
+  std::unique_ptr<GrantMapping> m;
+  CHECK(map_grant(bad, g.handle.fd, &m, &err, &drv()) == BB_E_CORRUPT);
+  CHECK(err.find("granularity") != std::string::npos);
+  bad = wire_copy(g);
+  bad.handle.device = -1;
+  CHECK(map_grant(bad, g.handle.fd, &m, &err, &drv()) == BB_E_CORRUPT);
+  int p[2];
+  REQUIRE(pipe2(p, O_CLOEXEC) == 0);
+  CHECK(map_grant(wire_copy(g), p[0], &m, &err, &drv()) == BB_E_INVALID);
+  close(p[0]);
+  close(p[1]);
+}
+
+TEST_CASE("cuda-ipc: an owned lent range, one handle for all grants, no driver call per grant") {
+  Clean clean;
+  auto l = lender(GrantBackend::kCudaIpc, 1 * kMiB + 100);
+  CHECK(l->capacity() == 1 * kMiB + 0);
+  CHECK(l->alignment() == 256);
+  CHECK(dbl().calls("cuMemAlloc,cuMemGetAddressRange,cuIpcGetMemHandle") ==
+        Calls{"cuMemAlloc", "cuMemGetAddressRange", "cuIpcGetMemHandle"});
+  dbl().reset();
+  std::string err;
+  Grant a, b;
+  REQUIRE(l->grant(1000, 1, &a, &err) == BB_OK);
+  REQUIRE(l->grant(300, 2, &b, &err) == BB_OK);
+  CHECK(dbl().log().empty());
+  CHECK(a.handle.fd == -1);
+  CHECK(a.handle.map_offset == a.offset);
+  CHECK(b.handle.map_offset == b.offset);
+  CHECK(a.offset + 1024 <= b.offset);
+  CHECK(std::memcmp(a.handle.ipc, b.handle.ipc, kIpcHandleBytes) == 0);
+  // The exporting process cannot open its own handle (the real driver refuses too).
+  std::unique_ptr<GrantMapping> m;
+  CHECK(map_grant(wire_copy(a), -1, &m, &err, &drv()) != BB_OK);
+  CHECK(err.find("exported it itself") != std::string::npos);
+  REQUIRE(l->release(a.id, &err) == BB_OK);
+  REQUIRE(l->release(b.id, &err) == BB_OK);
+  dbl().reset();
+  l.reset();
+  CHECK(dbl().calls("cuMemFree") == Calls{"cuMemFree"});
+}
+
+TEST_CASE("cuda-ipc: lending part of the trainer's own allocation") {
+  Clean clean;
+  CudaPrimaryContext ctx;
+  std::string err;
+  REQUIRE(ctx.retain(drv(), 0, &err) == BB_OK);
+  CUdeviceptr base = 0;
+  {
+    CudaContextScope scope(drv(), ctx.get());
+    REQUIRE(drv().MemAlloc(&base, 4 * kMiB) == CUDA_SUCCESS);
+  }
+  {
+    auto l = lender(GrantBackend::kCudaIpc, 2 * kMiB, base + kMiB);
+    Grant g;
+    REQUIRE(l->grant(4096, 1, &g, &err) == BB_OK);
+    CHECK(g.handle.map_offset == kMiB + g.offset);
+    CHECK(l->address(g.id) == base + kMiB + g.offset);
+    std::string e2;
+    lender(GrantBackend::kCudaIpc, 2 * kMiB, base + 3 * kMiB, BB_E_INVALID, &e2);
+    CHECK(e2.find("runs past the end of its allocation") != std::string::npos);
+    lender(GrantBackend::kCudaIpc, 2 * kMiB, 0x1000, BB_E_SYSTEM, &e2);
+    CHECK(e2.find("cuMemGetAddressRange") != std::string::npos);
+  }
+  {
+    CudaContextScope scope(drv(), ctx.get());
+    REQUIRE(drv().MemFree(base) == CUDA_SUCCESS);
+  }
+  ctx.reset();
+}
+
+TEST_CASE("cuda-ipc: a failed handle export frees the range the lender allocated") {
+  Clean clean;
+  ScopedEnv env("BUBBLE_CUDA_DOUBLE_FAIL", "export");
+  dbl().reset();
+  std::string err;
+  lender(GrantBackend::kCudaIpc, kMiB, 0, BB_E_UNSUPPORTED, &err);
+  CHECK(err.find("cuIpcGetMemHandle") != std::string::npos);
+  CHECK(err.find("use cuda-vmm otherwise") != std::string::npos);
+}
+
+TEST_CASE("cuda-ipc: handle bytes cross to another process, which writes the grant") {
+  Clean clean;
+  auto l = lender(GrantBackend::kCudaIpc, 4 * kMiB);
+  Peer peer;
+  REQUIRE(peer.start({double_env(), "BUBBLE_CUDA_DOUBLE_FAIL="}));
+  std::string err;
+  Grant held, brief;
+  REQUIRE(l->grant(kMiB, 1, &held, &err) == BB_OK);
+  REQUIRE(l->grant(3000, 1, &brief, &err) == BB_OK);
+  PeerRequest req;
+  req.op = bb::test::kPeerMapWriteHold;
+  req.seed = 1234;
+  req.grant = wire_copy(held);
+  PeerReply rep;
+  REQUIRE_MESSAGE(peer.request(req, -1, &rep, &err), err);
+  REQUIRE_MESSAGE(rep.status == BB_OK, rep.error);
+  REQUIRE(rep.counts_valid == 1);
+  CHECK(rep.counts.ipc_opens == 1);
+  CHECK(pattern_ok(l->address(held.id), held.size, 1234));
+
+  // A second grant on the same handle: opened and closed on its own (the driver counts).
+  req.op = bb::test::kPeerMapWriteUnmap;
+  req.seed = 777;
+  req.grant = wire_copy(brief);
+  REQUIRE(peer.request(req, -1, &rep, &err));
+  REQUIRE_MESSAGE(rep.status == BB_OK, rep.error);
+  CHECK(rep.counts.ipc_opens == 1);  // the held grant's reference remains
+  CHECK(pattern_ok(l->address(brief.id), brief.size, 777));
+  CHECK(pattern_ok(l->address(held.id), held.size, 1234));  // the neighbour is untouched
+
+  req.op = bb::test::kPeerRevoke;
+  REQUIRE(peer.request(req, -1, &rep, &err));
+  CHECK_MESSAGE(rep.status == BB_OK, rep.error);
+  CHECK(rep.counts.ipc_opens == 0);
+  CHECK(rep.counts.ctx_retains == 0);
+  CHECK(rep.counts.violations == 0);
+  CHECK(peer.stop() == 0);
+  REQUIRE(l->release(held.id, &err) == BB_OK);
+  REQUIRE(l->release(brief.id, &err) == BB_OK);
+}
+
+TEST_CASE("cuda-vmm: the descriptor crosses a socket and the other process maps it") {
+  const int fds_before = count_open_fds();
+  {
+    Clean clean;
+    auto l = lender(GrantBackend::kCudaVmm, 8 * kMiB);
+    Peer peer;
+    REQUIRE(peer.start({double_env(), "BUBBLE_CUDA_DOUBLE_FAIL="}));
+    std::string err;
+    Grant g;
+    REQUIRE(l->grant(5 * kMiB, 1, &g, &err) == BB_OK);
+    PeerRequest req;
+    req.op = bb::test::kPeerMapWriteUnmap;
+    req.seed = 4242;
+    req.grant = wire_copy(g);
+    PeerReply rep;
+    REQUIRE_MESSAGE(peer.request(req, g.handle.fd, &rep, &err), err);
+    CHECK_MESSAGE(rep.status == BB_OK, rep.error);
+    REQUIRE(rep.counts_valid == 1);
+    CHECK(rep.counts.physical == 0);
+    CHECK(rep.counts.mappings == 0);
+    CHECK(rep.counts.reservations == 0);
+    CHECK(rep.counts.ctx_retains == 0);
+    CHECK(rep.counts.violations == 0);
+    CHECK(rep.fds_after == rep.fds_before);
+    CHECK(pattern_ok(l->address(g.id), g.size, 4242));
+    CHECK(peer.stop() == 0);
+    REQUIRE(l->release(g.id, &err) == BB_OK);
+  }
+  CHECK(count_open_fds() == fds_before);
+}
+
+TEST_CASE("cuda-vmm: an import failure in the other process leaves it nothing") {
+  Clean clean;
+  auto l = lender(GrantBackend::kCudaVmm, 4 * kMiB);
+  for (const char* spec : {"import", "map", "access", "reserve"}) {
+    CAPTURE(spec);
+    Peer peer;
+    REQUIRE(peer.start({double_env(), std::string("BUBBLE_CUDA_DOUBLE_FAIL=") + spec}));
+    std::string err;
+    Grant g;
+    REQUIRE(l->grant(kGran, 1, &g, &err) == BB_OK);
+    PeerRequest req;
+    req.op = bb::test::kPeerMapWriteUnmap;
+    req.seed = 1;
+    req.grant = wire_copy(g);
+    PeerReply rep;
+    REQUIRE_MESSAGE(peer.request(req, g.handle.fd, &rep, &err), err);
+    CHECK(rep.status != BB_OK);
+    CHECK(std::string(rep.error).find("grant") != std::string::npos);
+    REQUIRE(rep.counts_valid == 1);
+    CHECK(rep.counts.physical == 0);
+    CHECK(rep.counts.mappings == 0);
+    CHECK(rep.counts.reservations == 0);
+    CHECK(rep.counts.ctx_retains == 0);
+    CHECK(rep.counts.violations == 0);
+    CHECK(rep.fds_after == rep.fds_before);
+    CHECK(peer.stop() == 0);
+    REQUIRE(l->release(g.id, &err) == BB_OK);
+  }
+}

@@ -1,0 +1,197 @@
+// Descriptor passing: SCM_RIGHTS with strict receiving, and pidfd_getfd.
+#include <doctest/doctest.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "shm/fd_passing.h"
+#include "test_grant_support.h"
+
+using bb::shm::recv_fds;
+using bb::shm::send_fds;
+using bb::test::cloexec;
+using bb::test::count_open_fds;
+
+namespace {
+
+struct SocketPair {
+  int a = -1, b = -1;
+  explicit SocketPair(int type = SOCK_SEQPACKET) {
+    int sv[2];
+    REQUIRE(socketpair(AF_UNIX, type | SOCK_CLOEXEC, 0, sv) == 0);
+    a = sv[0];
+    b = sv[1];
+  }
+  ~SocketPair() {
+    close(a);
+    close(b);
+  }
+};
+
+int memfd_with(const char* text) {
+  int fd = memfd_create("fd-passing-test", MFD_CLOEXEC);
+  REQUIRE(fd >= 0);
+  REQUIRE(write(fd, text, strlen(text)) == static_cast<ssize_t>(strlen(text)));
+  return fd;
+}
+
+std::string read_all(int fd) {
+  char buf[64] = {};
+  ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+  return n > 0 ? std::string(buf, n) : std::string();
+}
+
+}  // namespace
+
+TEST_CASE("send_fds passes data and descriptors that arrive close-on-exec") {
+  const int before = count_open_fds();
+  {
+    SocketPair sp;
+    int fds[3] = {memfd_with("zero"), memfd_with("one"), memfd_with("two")};
+    for (int fd : fds) fcntl(fd, F_SETFD, 0);  // the sender's flags must not matter
+    std::string err;
+    const char msg[] = "grant!";
+    REQUIRE(send_fds(sp.a, msg, sizeof msg, fds, 3, &err) == BB_OK);
+    char buf[32];
+    int got[4];
+    size_t len = 0, n = 0;
+    REQUIRE(recv_fds(sp.b, buf, sizeof buf, &len, got, 4, &n, &err) == BB_OK);
+    CHECK(len == sizeof msg);
+    CHECK(std::string(buf) == "grant!");
+    REQUIRE(n == 3);
+    CHECK(got[3] == -1);
+    const char* want[] = {"zero", "one", "two"};
+    for (int i = 0; i < 3; ++i) {
+      CHECK(got[i] != fds[i]);
+      CHECK(cloexec(got[i]));
+      CHECK(read_all(got[i]) == want[i]);
+      close(got[i]);
+      close(fds[i]);
+    }
+  }
+  CHECK(count_open_fds() == before);
+}
+
+TEST_CASE("recv_fds rejects a message with more descriptors than asked and leaks none") {
+  const int before = count_open_fds();
+  {
+    SocketPair sp;
+    int fds[4] = {memfd_with("a"), memfd_with("b"), memfd_with("c"), memfd_with("d")};
+    std::string err;
+    char one = 'x';
+    REQUIRE(send_fds(sp.a, &one, 1, fds, 4, &err) == BB_OK);
+    for (int fd : fds) close(fd);
+    char buf[8];
+    int got[2];
+    size_t len = 9, n = 9;
+    CHECK(recv_fds(sp.b, buf, sizeof buf, &len, got, 2, &n, &err) == BB_E_CORRUPT);
+    CHECK(err.find("more than the 2 descriptor") != std::string::npos);
+    CHECK(n == 0);
+    CHECK(len == 0);
+    CHECK(got[0] == -1);
+    CHECK(got[1] == -1);
+
+    // Descriptors sent to a receiver that expects none are refused the same way.
+    int extra = memfd_with("e");
+    REQUIRE(send_fds(sp.a, &one, 1, &extra, 1, &err) == BB_OK);
+    close(extra);
+    CHECK(recv_fds(sp.b, buf, sizeof buf, &len, nullptr, 0, &n, &err) == BB_E_CORRUPT);
+  }
+  CHECK(count_open_fds() == before);
+}
+
+TEST_CASE("recv_fds rejects a message longer than the buffer and closes its descriptors") {
+  const int before = count_open_fds();
+  {
+    SocketPair sp;
+    int fd = memfd_with("x");
+    std::string err;
+    char big[100] = {};
+    REQUIRE(send_fds(sp.a, big, sizeof big, &fd, 1, &err) == BB_OK);
+    close(fd);
+    char small[10];
+    int got = -1;
+    size_t len, n;
+    CHECK(recv_fds(sp.b, small, sizeof small, &len, &got, 1, &n, &err) == BB_E_CORRUPT);
+    CHECK(err.find("longer than the 10 bytes") != std::string::npos);
+    CHECK(got == -1);
+  }
+  CHECK(count_open_fds() == before);
+}
+
+TEST_CASE("send_fds bounds its arguments") {
+  SocketPair sp;
+  std::string err;
+  int fds[bb::shm::kMaxPassedFds + 1];
+  for (auto& f : fds) f = 0;
+  char c = 0;
+  CHECK(send_fds(sp.a, &c, 1, fds, bb::shm::kMaxPassedFds + 1, &err) == BB_E_INVALID);
+  CHECK(err.find("at most 16") != std::string::npos);
+  CHECK(send_fds(sp.a, &c, 0, nullptr, 0, &err) == BB_E_INVALID);
+  int bad = -1;
+  CHECK(send_fds(sp.a, &c, 1, &bad, 1, &err) == BB_E_INVALID);
+  char buf[4];
+  int got[bb::shm::kMaxPassedFds + 1];
+  size_t len, n;
+  CHECK(recv_fds(sp.b, buf, 4, &len, got, bb::shm::kMaxPassedFds + 1, &n, &err) == BB_E_INVALID);
+}
+
+TEST_CASE("recv_fds reports a closed peer as an empty message and an empty socket as timeout") {
+  SocketPair sp;
+  std::string err;
+  char buf[4];
+  size_t len = 1, n = 1;
+  fcntl(sp.b, F_SETFL, O_NONBLOCK);
+  CHECK(recv_fds(sp.b, buf, 4, &len, nullptr, 0, &n, &err) == BB_E_TIMEOUT);
+  shutdown(sp.a, SHUT_WR);
+  CHECK(recv_fds(sp.b, buf, 4, &len, nullptr, 0, &n, &err) == BB_OK);
+  CHECK(len == 0);
+  CHECK(n == 0);
+  char c = 1;
+  CHECK(send_fds(sp.b, &c, 1, nullptr, 0, &err) == BB_OK);  // the other direction still works
+  shutdown(sp.b, SHUT_RDWR);
+  CHECK(send_fds(sp.a, &c, 1, nullptr, 0, &err) == BB_E_SYSTEM);  // EPIPE, and no SIGPIPE
+}
+
+TEST_CASE("pidfd_get_fd takes a descriptor out of a child process") {
+  const int before = count_open_fds();
+  int ready[2];
+  REQUIRE(pipe2(ready, O_CLOEXEC) == 0);
+  int secret = memfd_with("from the child");
+  pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) {
+    // Hold the descriptor open until killed.
+    char c = 1;
+    (void)!write(ready[1], &c, 1);
+    for (;;) pause();
+  }
+  close(secret);  // the parent's copy: what comes back must be the child's
+  char c;
+  REQUIRE(read(ready[0], &c, 1) == 1);
+  std::string err;
+  int pidfd = -1, got = -1;
+  bb_status st = bb::shm::pidfd_open_pid(pid, &pidfd, &err);
+  CHECK(st == BB_OK);
+  if (st == BB_OK) {
+    st = bb::shm::pidfd_get_fd(pidfd, secret, &got, &err);
+    CHECK_MESSAGE(st == BB_OK, err);
+    if (st == BB_OK) {
+      CHECK(cloexec(got));
+      CHECK(read_all(got) == "from the child");
+      close(got);
+    }
+    CHECK(bb::shm::pidfd_get_fd(pidfd, 999, &got, &err) == BB_E_SYSTEM);
+    CHECK(err.find("no such descriptor") != std::string::npos);
+    close(pidfd);
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, nullptr, 0);
+  close(ready[0]);
+  close(ready[1]);
+  CHECK(count_open_fds() == before);
+}
