@@ -1,0 +1,179 @@
+"""Fixtures for the agent's end-to-end tests: a private runtime dir, state dir and socket per
+test, real bubbled / trainer_sim / task processes, and a teardown that kills every process the
+test started (found by the private runtime dir in their environment) even when the test fails."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+BUBBLED = os.environ.get("BUBBLED", "")
+BUBBLECTL = os.environ.get("BUBBLECTL", "")
+TRAINER_SIM = os.environ.get("TRAINER_SIM", "")
+TASK_GOOD = os.environ.get("TASK_GOOD", "")
+TASK_ROGUE = os.environ.get("TASK_ROGUE", "")
+AGENT_SCHEMA = os.environ.get("AGENT_SCHEMA", "")
+
+for _name, _path in [("BUBBLED", BUBBLED), ("BUBBLECTL", BUBBLECTL), ("TRAINER_SIM", TRAINER_SIM),
+                     ("TASK_GOOD", TASK_GOOD), ("TASK_ROGUE", TASK_ROGUE)]:
+    if not _path or not os.access(_path, os.X_OK):
+        raise RuntimeError(f"{_name} must point to the built program (run these tests through ctest)")
+
+DEADLINE_S = 30.0
+
+
+def wait_until(what, pred, timeout=DEADLINE_S, interval=0.05):
+    """Polls pred until it returns a truthy value; fails the test naming `what` after timeout."""
+    end = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < end:
+        last = pred()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
+
+
+def pids_with_env(marker):
+    """Processes whose environment contains marker (our private runtime dir)."""
+    out = []
+    needle = marker.encode()
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if needle in f.read():
+                    out.append(int(d))
+        except OSError:
+            pass
+    return out
+
+
+class Env:
+    def __init__(self):
+        self.root = tempfile.mkdtemp(prefix="bbd-", dir="/tmp")
+        self.runtime = os.path.join(self.root, "rt")
+        self.state = os.path.join(self.root, "state")
+        self.socket = os.path.join(self.root, "agent.sock")
+        self.marker = "BUBBLE_RUNTIME_DIR=" + self.runtime
+        self.env = dict(os.environ, BUBBLE_RUNTIME_DIR=self.runtime)
+        self.env.pop("BUBBLE_AGENT_SOCKET", None)
+        self.procs = []
+        self.agent = None
+        self.agent_log = os.path.join(self.root, "agent.log")
+
+    # --- processes
+    def spawn(self, argv, log_name, **kw):
+        log = open(os.path.join(self.root, log_name), "ab")
+        p = subprocess.Popen(argv, env=kw.pop("env", self.env), stdout=log, stderr=log,
+                             stdin=subprocess.DEVNULL, **kw)
+        log.close()
+        self.procs.append(p)
+        return p
+
+    def trainer(self, job="j", rank=0, free_mib=4096, duration=120, fwd=4, bwd=8, extra=()):
+        p = self.spawn([TRAINER_SIM, "--job", job, "--rank", str(rank), "--stages", "4",
+                        "--microbatches", "4", "--schedule", "1f1b", "--fwd-ms", str(fwd),
+                        "--bwd-ms", str(bwd), "--free-mem-mib", str(free_mib),
+                        "--activation-share", "0", "--duration-s", str(duration),
+                        "--progress-s", "0", *extra], f"trainer-{job}-{rank}.log")
+        wait_until(f"hub {job}:{rank}",
+                   lambda: os.path.exists(os.path.join(self.runtime, f"{job}.{rank}.sock")))
+        return p
+
+    def start_agent(self, *args, metrics="0"):
+        assert self.agent is None or self.agent.poll() is not None
+        self.agent = self.spawn([BUBBLED, "--socket", self.socket, "--state-dir", self.state,
+                                 "--metrics-port", metrics, *args], "agent.log")
+        wait_until("the agent's socket", lambda: self.ctl_ok("status"))
+        return self.agent
+
+    def kill_agent(self, sig=signal.SIGKILL):
+        self.agent.send_signal(sig)
+        self.agent.wait(timeout=20)
+
+    # --- the CLI
+    def ctl(self, *args, check=True, timeout=30, env=None, prefix=()):
+        r = subprocess.run([*prefix, BUBBLECTL, "--socket", self.socket, *args], env=env or self.env,
+                           capture_output=True, text=True, timeout=timeout)
+        if check and r.returncode != 0:
+            raise AssertionError(f"bubblectl {' '.join(args)} failed ({r.returncode}): "
+                                 f"{r.stderr.strip()}\nagent log:\n{self.log_tail()}")
+        return r
+
+    def ctl_ok(self, *args):
+        return self.ctl(*args, check=False).returncode == 0
+
+    def submit(self, *argv, opts=()):
+        return int(self.ctl("submit", *opts, "--", *argv).stdout.strip())
+
+    def tasks(self):
+        return {t["id"]: t for t in json.loads(self.ctl("list", "--all", "--json").stdout)}
+
+    def task(self, tid):
+        return self.tasks()[tid]
+
+    def wait_state(self, tid, states, timeout=DEADLINE_S):
+        states = (states,) if isinstance(states, str) else tuple(states)
+        return wait_until(f"task {tid} in {states}",
+                          lambda: (t := self.task(tid))["state"] in states and t, timeout)
+
+    def status(self):
+        return json.loads(self.ctl("status", "--json").stdout)
+
+    def hub(self, name):
+        for h in self.status()["hubs"]:
+            if h["name"] == name:
+                return h
+        return None
+
+    def log_tail(self):
+        try:
+            with open(self.agent_log, errors="replace") as f:
+                return "".join(f.readlines()[-40:])
+        except OSError:
+            return ""
+
+    # --- teardown
+    def dump_logs(self):
+        """Printed at teardown; pytest shows it when the test failed."""
+        for name in sorted(os.listdir(self.root)):
+            if name.endswith(".log"):
+                with open(os.path.join(self.root, name), errors="replace") as f:
+                    print(f"----- {name}\n" + "".join(f.readlines()[-30:]))
+
+    def cleanup(self):
+        try:
+            self.dump_logs()
+        except OSError:
+            pass
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for _ in range(3):
+            for pid in pids_with_env(self.marker):
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.05)
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                pass
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture
+def env():
+    e = Env()
+    try:
+        yield e
+    finally:
+        e.cleanup()

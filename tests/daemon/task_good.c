@@ -1,0 +1,53 @@
+/* A side task that behaves: attaches to the hub named by BUBBLE_JOB/BUBBLE_RANK (as the agent
+ * sets them), runs STEPS steps of about STEP_US microseconds inside bubbles through the
+ * iterative runtime (which acks every pause), and exits 0.
+ * usage: task_good [STEPS [STEP_US]]   (STEPS 0 = run until stopped) */
+#include <bubble/bubble.h>
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+
+static unsigned long long g_steps, g_done;
+static unsigned long long g_step_ns;
+
+static int step(void *user, const bb_step_info_t *info) {
+  (void)user;
+  (void)info;
+  uint64_t end = bb_now_ns() + g_step_ns;
+  while (bb_now_ns() < end) {
+  }
+  ++g_done;
+  return g_steps && g_done >= g_steps ? BB_STEP_DONE : BB_STEP_CONTINUE;
+}
+
+int main(int argc, char **argv) {
+  const char *job = getenv("BUBBLE_JOB"), *rank = getenv("BUBBLE_RANK");
+  const char *name = getenv("BUBBLE_TASK_NAME");
+  if (!job || !rank) {
+    fprintf(stderr, "task_good: BUBBLE_JOB and BUBBLE_RANK must name the hub\n");
+    return 2;
+  }
+  g_steps = argc > 1 ? strtoull(argv[1], NULL, 10) : 20;
+  g_step_ns = (argc > 2 ? strtoull(argv[2], NULL, 10) : 200) * 1000ull;
+  bb_task_options_t opts;
+  bb_task_options_init(&opts);
+  if (getenv("BUBBLE_MEM_NEED")) opts.mem_need = strtoull(getenv("BUBBLE_MEM_NEED"), NULL, 10);
+  if (getenv("BUBBLE_PRIORITY")) opts.priority = atoi(getenv("BUBBLE_PRIORITY"));
+  bb_task_h task;
+  bb_status st = bb_task_attach(job, (uint32_t)strtoul(rank, NULL, 10), name ? name : "task_good",
+                                &opts, &task);
+  if (st != BB_OK) {
+    fprintf(stderr, "task_good: attach: %s\n", bb_last_error());
+    return 3;
+  }
+  printf("attached to %s:%s\n", job, rank);
+  fflush(stdout);
+  bb_task_callbacks_t cbs;
+  bb_task_callbacks_init(&cbs);
+  cbs.step = step;
+  st = bb_task_run(task, &cbs);
+  printf("done: %s after %llu steps\n", bb_status_name(st), g_done);
+  bb_task_detach(task);
+  return st == BB_OK ? 0 : st == BB_E_STOPPED ? 0 : 4;
+}

@@ -1,0 +1,129 @@
+"""Submit, run, finish, list; logs; adoption of tasks started outside the agent; cancel; traces
+and timelines; errors that name the fix."""
+import json
+import os
+import subprocess
+
+from conftest import BUBBLECTL, TASK_GOOD, wait_until
+
+
+def test_submit_runs_task_to_completion_and_lists_it(env):
+    env.trainer("j", 0)
+    env.start_agent()
+    tid = env.submit(TASK_GOOD, "30", opts=("--name", "good", "--priority", "2"))
+    t = env.wait_state(tid, ("finished", "failed", "killed", "lost"))
+    assert t["state"] == "finished", t
+    assert t["exit_code"] == 0
+    assert t["hub"] == "j:0"
+    assert t["name"] == "good"
+    assert t["origin"] == "submitted"
+    assert t["attempts"] == 1
+    table = env.ctl("list", "--all").stdout
+    assert "good" in table and "finished" in table
+    out = env.ctl("logs", str(tid)).stdout
+    assert "attached to j:0" in out
+    assert "done: BB_OK after 30 steps" in out
+    # The task ran inside the hub's bubbles: the hub counts its harvested time.
+    assert env.hub("j:0")["harvested_ns"] > 0
+
+
+def test_task_environment_names_hub_gpu_and_mps_settings(env):
+    env.trainer("j", 3)
+    env.start_agent("--hub-gpu", "j:3=1")
+    tid = env.submit("/bin/sh", "-c", "env | grep -E '^(BUBBLE_|CUDA_)' | sort",
+                     opts=("--mps-priority", "1", "--mps-mem-limit", "2G", "--env", "EXTRA=x y"))
+    assert env.wait_state(tid, ("finished", "failed"))["state"] == "finished"
+    out = env.ctl("logs", str(tid)).stdout.splitlines()
+    assert "BUBBLE_JOB=j" in out
+    assert "BUBBLE_RANK=3" in out
+    assert f"BUBBLE_RUNTIME_DIR={env.runtime}" in out
+    assert "CUDA_VISIBLE_DEVICES=1" in out
+    assert "CUDA_MPS_CLIENT_PRIORITY=1" in out
+    assert "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=0=2G" in out
+
+
+def test_failing_task_is_recorded_with_its_exit_code_and_stderr(env):
+    env.trainer("j", 0)
+    env.start_agent()
+    tid = env.submit("/bin/sh", "-c", "echo broken >&2; exit 7")
+    t = env.wait_state(tid, ("finished", "failed"))
+    assert t["state"] == "failed" and t["exit_code"] == 7
+    assert "broken" in env.ctl("logs", str(tid), "--stderr").stdout
+
+
+def test_task_started_outside_the_agent_is_adopted_and_shown(env):
+    env.trainer("j", 0)
+    env.start_agent()
+    ext = env.spawn([TASK_GOOD, "0"], "external.log",
+                    env=dict(env.env, BUBBLE_JOB="j", BUBBLE_RANK="0", BUBBLE_TASK_NAME="outsider"))
+    t = wait_until("the external task to be adopted",
+                   lambda: [t for t in env.tasks().values() if t["name"] == "outsider"])[0]
+    assert t["origin"] == "attached"
+    assert t["pid"] == ext.pid
+    assert t["hub"] == "j:0"
+    ext.terminate()
+    ext.wait(timeout=10)
+    t = env.wait_state(t["id"], ("finished", "failed", "lost"))
+    assert "detached" in t["message"]
+
+
+def test_cancel_stops_a_running_task_and_drops_a_queued_one(env):
+    env.trainer("j", 0)
+    env.start_agent("--stop-timeout-ms", "2000")
+    running = env.submit(TASK_GOOD, "0")
+    env.wait_state(running, "running")
+    queued = env.submit(TASK_GOOD, opts=("--hub", "nosuch:0"))
+    assert env.task(queued)["state"] == "queued"
+    assert "nosuch:0" in env.task(queued)["message"]
+    env.ctl("cancel", str(queued))
+    assert env.task(queued)["state"] == "cancelled"
+    # Wait until the task has attached so the stop goes through the hub, gracefully.
+    wait_until("the task to attach", lambda: env.hub("j:0")["tasks"] == 1)
+    env.ctl("cancel", str(running))
+    t = env.wait_state(running, ("cancelled", "finished", "failed", "killed"))
+    assert t["state"] == "cancelled", t
+    r = env.ctl("cancel", str(running), check=False)
+    assert r.returncode != 0 and "already ended" in r.stderr
+
+
+def test_trace_and_timeline_show_bubbles_and_steps(env):
+    env.trainer("j", 0)
+    env.trainer("j", 1)
+    env.start_agent()
+    tid = env.submit(TASK_GOOD, "40", opts=("--hub", "j:1"))
+    assert env.wait_state(tid, ("finished", "failed"))["state"] == "finished"
+    trace = os.path.join(env.root, "trace.json")
+    env.ctl("trace", "--seconds", "30", "-o", trace)
+    with open(trace) as f:
+        doc = json.load(f)
+    events = doc["traceEvents"]
+    procs = {e["args"]["name"] for e in events if e["name"] == "process_name"}
+    assert procs == {"hub j:0", "hub j:1"}
+    assert any(e["name"] == "bubble" and e["ph"] == "X" and e["dur"] > 0 for e in events)
+    steps = [e for e in events if e["name"] == "step"]
+    assert steps and all(e["ph"] == "X" for e in steps)
+    svg = env.ctl("timeline", "--seconds", "30").stdout
+    assert svg.startswith("<svg") and svg.rstrip().endswith("</svg>")
+    assert svg.count('class="bubble"') > 0
+    assert svg.count('class="step"') > 0
+    assert ">j:0<" in svg and ">j:1<" in svg
+
+
+def test_errors_name_the_problem_and_the_fix(env):
+    r = subprocess.run([BUBBLECTL, "--socket", env.socket, "list"], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode != 0
+    assert f"no agent at {env.socket}: start it with `bubbled`" in r.stderr
+    env.start_agent()
+    r = env.ctl("submit", "--hub", "bad hub", "--", "/bin/true", check=False)
+    assert r.returncode != 0 and "neither `auto` nor JOB:RANK" in r.stderr
+    r = env.ctl("submit", "--mem", "lots", "--", "/bin/true", check=False)
+    assert r.returncode == 2 and "not a size" in r.stderr
+    r = env.ctl("logs", "999", check=False)
+    assert r.returncode != 0 and "no task #999" in r.stderr
+    # A second agent on the same socket or state directory refuses to start.
+    second = env.spawn([env.agent.args[0], "--socket", env.socket + "2", "--state-dir", env.state,
+                        "--metrics-port", "off"], "agent2.log")
+    assert second.wait(timeout=30) == 1
+    with open(os.path.join(env.root, "agent2.log")) as f:
+        assert "another bubbled uses the state directory" in f.read()

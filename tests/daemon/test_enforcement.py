@@ -1,0 +1,26 @@
+"""A task that ignores pauses is stopped with SIGSTOP, continued at its hub's next bubble, and
+killed after the configured number of violations; every action is recorded and shown."""
+from conftest import TASK_GOOD, TASK_ROGUE
+
+
+def test_task_ignoring_pause_is_stopped_then_killed(env):
+    env.trainer("j", 0)
+    env.start_agent("--grace-ms", "20", "--kill-after", "3")
+    tid = env.submit(TASK_ROGUE)
+    t = env.wait_state(tid, ("killed", "failed", "finished"))
+    assert t["state"] == "killed", t
+    assert t["violations"] == 3
+    acts = [line.split() for line in env.ctl("actions").stdout.splitlines()[1:]]
+    kinds = [a[4] for a in acts if a[1] == str(tid)]
+    assert kinds == ["stop", "continue", "stop", "continue", "kill"], kinds
+    assert env.status()["actions"] == 5
+
+
+def test_well_behaved_task_is_never_stopped(env):
+    env.trainer("j", 0)
+    # A generous grace: a task that acks is not punished for being descheduled on a busy machine.
+    env.start_agent("--grace-ms", "500")
+    tid = env.submit(TASK_GOOD, "60")
+    t = env.wait_state(tid, ("finished", "failed", "killed"))
+    assert t["state"] == "finished" and t["violations"] == 0
+    assert "no enforcement actions" in env.ctl("actions").stdout

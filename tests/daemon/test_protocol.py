@@ -1,0 +1,150 @@
+"""The control protocol: a Hello with a version check first; malformed, truncated and
+oversized frames get an error reply and the connection is closed; the agent never crashes."""
+import random
+import socket
+import struct
+import subprocess
+
+import pytest
+
+from conftest import AGENT_SCHEMA
+
+
+def encode(text, type_name="Request"):
+    return subprocess.run(["capnp", "encode", AGENT_SCHEMA, type_name], input=text.encode(),
+                          capture_output=True, check=True, timeout=30).stdout
+
+
+def decode(body, type_name="Response"):
+    return subprocess.run(["capnp", "decode", AGENT_SCHEMA, type_name], input=body,
+                          capture_output=True, check=True, timeout=30).stdout.decode()
+
+
+def frame(body):
+    return struct.pack("<I", len(body)) + body
+
+
+HELLO = '(id = 1, hello = (protocolVersion = 1, client = "test"))'
+
+
+def connect(env):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(20)
+    s.connect(env.socket)
+    return s
+
+
+def read_frame(s):
+    head = b""
+    while len(head) < 4:
+        chunk = s.recv(4 - len(head))
+        if not chunk:
+            return None
+        head += chunk
+    (n,) = struct.unpack("<I", head)
+    body = b""
+    while len(body) < n:
+        chunk = s.recv(n - len(body))
+        assert chunk, "connection closed inside a frame"
+        body += chunk
+    return body
+
+
+def expect_error_and_close(s, needle):
+    body = read_frame(s)
+    assert body is not None, "no error reply"
+    text = decode(body)
+    assert "error" in text and needle in text, text
+    assert read_frame(s) is None, "connection left open after a bad frame"
+
+
+@pytest.fixture
+def agent(env):
+    env.start_agent()
+    return env
+
+
+def test_hello_then_request(agent):
+    s = connect(agent)
+    s.sendall(frame(encode(HELLO)))
+    text = decode(read_frame(s))
+    assert "protocolVersion = 1" in text
+    s.sendall(frame(encode("(id = 2, list = (all = true))")))
+    assert "id = 2" in decode(read_frame(s))
+    s.close()
+
+
+def test_wrong_protocol_version_is_refused(agent):
+    s = connect(agent)
+    s.sendall(frame(encode('(id = 1, hello = (protocolVersion = 99, client = "old"))')))
+    expect_error_and_close(s, "protocol version 99")
+
+
+def test_request_before_hello_is_refused(agent):
+    s = connect(agent)
+    s.sendall(frame(encode("(id = 1, status = void)")))
+    expect_error_and_close(s, "must be hello")
+
+
+def test_oversized_frame(agent):
+    s = connect(agent)
+    s.sendall(struct.pack("<I", 0xFFFFFFF8) + b"\0" * 64)
+    expect_error_and_close(s, "exceeds the maximum")
+
+
+def test_length_not_a_word_multiple(agent):
+    s = connect(agent)
+    s.sendall(struct.pack("<I", 13) + b"x" * 13)
+    expect_error_and_close(s, "multiple of 8")
+
+
+def test_garbage_body(agent):
+    s = connect(agent)
+    s.sendall(frame(b"\xff" * 64))
+    expect_error_and_close(s, "does not decode")
+
+
+def test_pointer_out_of_bounds(agent):
+    s = connect(agent)
+    s.sendall(frame(encode(HELLO)))
+    read_frame(s)
+    # One segment of two words; the root pointer points far outside it.
+    body = struct.pack("<II", 0, 2) + struct.pack("<Q", (0x7FFFFFF << 2) | (1 << 32) | (1 << 48))
+    body += b"\0" * 8
+    s.sendall(frame(body))
+    expect_error_and_close(s, "malformed request")
+
+
+def test_truncated_frame(agent):
+    s = connect(agent)
+    s.sendall(struct.pack("<I", 64) + b"\0" * 10)
+    s.shutdown(socket.SHUT_WR)
+    expect_error_and_close(s, "truncated frame")
+
+
+def test_random_frames_never_crash_the_agent(agent):
+    rng = random.Random(1234)
+    valid = encode(HELLO)
+    for i in range(150):
+        s = connect(agent)
+        kind = i % 3
+        if kind == 0:
+            data = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 200)))
+        elif kind == 1:
+            body = bytearray(valid)
+            for _ in range(rng.randrange(1, 6)):
+                body[rng.randrange(len(body))] = rng.randrange(256)
+            data = frame(bytes(body))
+        else:
+            body = bytes(rng.randrange(256) for _ in range(8 * rng.randrange(1, 20)))
+            data = frame(body)
+        try:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)
+            while s.recv(65536):
+                pass
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        s.close()
+    assert agent.agent.poll() is None, "the agent died"
+    assert agent.ctl_ok("status")

@@ -1,0 +1,225 @@
+// The agent's pure pieces: pause escalation, placement, frame cutting, durable records.
+#include <doctest/doctest.h>
+
+#include "agent.capnp.h"
+#include "daemon/enforcer.h"
+#include "daemon/frame.h"
+#include "daemon/placement.h"
+#include "daemon/proc.h"
+#include "daemon/store.h"
+
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <capnp/message.h>
+
+using namespace bb::daemon;
+
+namespace {
+constexpr uint64_t kMs = 1'000'000;
+constexpr uint64_t kMiB = 1ull << 20;
+}  // namespace
+
+TEST_CASE("enforcer_acked_pause_is_no_violation") {
+  EnforceConfig cfg{5 * kMs, 3};
+  EnforceState st;
+  CHECK(enforce_step(cfg, &st, {false, 1}, {100 * kMs, 0}, 101 * kMs) == Verdict::kNone);
+  CHECK(enforce_step(cfg, &st, {false, 1}, {100 * kMs, 102 * kMs}, 110 * kMs) == Verdict::kNone);
+  CHECK(st.violations == 0);
+}
+
+TEST_CASE("enforcer_stops_continues_then_kills_a_task_that_never_acks") {
+  EnforceConfig cfg{5 * kMs, 3};
+  EnforceState st;
+  PauseState never{100 * kMs, 0};
+  CHECK(enforce_step(cfg, &st, {false, 1}, never, 104 * kMs) == Verdict::kNone);
+  CHECK(enforce_step(cfg, &st, {false, 1}, never, 106 * kMs) == Verdict::kStop);
+  CHECK(st.violations == 1);
+  // Stays stopped until the hub's next bubble.
+  CHECK(enforce_step(cfg, &st, {false, 1}, never, 150 * kMs) == Verdict::kNone);
+  CHECK(enforce_step(cfg, &st, {true, 2}, never, 200 * kMs) == Verdict::kContinue);
+  // Inside the bubble it was continued in: no deadline yet.
+  CHECK(enforce_step(cfg, &st, {true, 2}, never, 260 * kMs) == Verdict::kNone);
+  // The bubble ended and the old pause is still not acked: due after the grace period.
+  CHECK(enforce_step(cfg, &st, {false, 2}, never, 300 * kMs) == Verdict::kNone);
+  CHECK(enforce_step(cfg, &st, {false, 2}, never, 306 * kMs) == Verdict::kStop);
+  CHECK(st.violations == 2);
+  CHECK(enforce_step(cfg, &st, {true, 3}, never, 400 * kMs) == Verdict::kContinue);
+  // A new pause request (it was started again) counts from its own time.
+  PauseState again{450 * kMs, 0};
+  CHECK(enforce_step(cfg, &st, {false, 3}, again, 451 * kMs) == Verdict::kNone);
+  CHECK(enforce_step(cfg, &st, {false, 3}, again, 456 * kMs) == Verdict::kKill);
+  CHECK(st.violations == 3);
+}
+
+TEST_CASE("enforcer_kill_after_one_kills_at_first_violation") {
+  EnforceConfig cfg{1 * kMs, 1};
+  EnforceState st;
+  CHECK(enforce_step(cfg, &st, {false, 1}, {10 * kMs, 0}, 12 * kMs) == Verdict::kKill);
+}
+
+TEST_CASE("placement_by_memory_fit") {
+  std::vector<HubCandidate> hubs(3);
+  const uint64_t free[] = {256 * kMiB, 1024 * kMiB, 4096 * kMiB};
+  for (int i = 0; i < 3; ++i) {
+    hubs[i].name = "j:" + std::to_string(i);
+    hubs[i].alive = hubs[i].had_bubble = true;
+    hubs[i].free_mem = free[i];
+    hubs[i].free_slots = 8;
+  }
+  TaskSpec big;
+  big.mem_need = 2048 * kMiB;
+  CHECK(place_task(big, hubs).hub == 2);
+  hubs[2].granted = 2048 * kMiB;
+  hubs[2].tasks = 1;
+  TaskSpec huge;
+  huge.mem_need = 3072 * kMiB;
+  PlaceResult r = place_task(huge, hubs);
+  CHECK(r.hub == -1);
+  CHECK(r.reason.find("MiB") != std::string::npos);
+  TaskSpec small;
+  small.mem_need = 512 * kMiB;
+  CHECK(place_task(small, hubs).hub == 1);  // fewest tasks among those it fits
+  TaskSpec pinned;
+  pinned.hub = "j:0";
+  CHECK(place_task(pinned, hubs).hub == 0);
+  pinned.hub = "other:0";
+  CHECK(place_task(pinned, hubs).hub == -1);
+}
+
+TEST_CASE("placement_skips_draining_full_and_unreported_hubs") {
+  std::vector<HubCandidate> hubs(3);
+  for (int i = 0; i < 3; ++i) {
+    hubs[i].name = "j:" + std::to_string(i);
+    hubs[i].alive = true;
+    hubs[i].had_bubble = true;
+    hubs[i].free_slots = 4;
+    hubs[i].free_mem = 8192 * kMiB;
+  }
+  hubs[0].draining = true;
+  hubs[1].free_slots = 0;
+  hubs[2].had_bubble = false;
+  hubs[2].free_mem = UINT64_MAX;
+  TaskSpec t;
+  t.mem_need = kMiB;
+  CHECK(place_task(t, hubs).hub == -1);
+  t.mem_need = 0;
+  CHECK(place_task(t, hubs).hub == 2);
+}
+
+TEST_CASE("hub_names_parse") {
+  std::string job;
+  uint32_t rank = 0;
+  CHECK(parse_hub_name("train.v2:7", &job, &rank));
+  CHECK(job == "train.v2");
+  CHECK(rank == 7);
+  CHECK_FALSE(parse_hub_name("train", &job, &rank));
+  CHECK_FALSE(parse_hub_name(":1", &job, &rank));
+  CHECK_FALSE(parse_hub_name("a:70000", &job, &rank));
+  CHECK_FALSE(parse_hub_name("a:1x", &job, &rank));
+}
+
+TEST_CASE("frames_roundtrip_split_anywhere") {
+  capnp::MallocMessageBuilder msg;
+  auto req = msg.initRoot<bb::proto::Request>();
+  req.setId(42);
+  req.initHello().setProtocolVersion(bb::proto::PROTOCOL_VERSION);
+  std::vector<uint8_t> bytes = encode_frame(msg);
+  bytes.insert(bytes.end(), bytes.begin(), bytes.end());  // two frames back to back
+  FrameReader fr(1 << 20);
+  int frames = 0;
+  for (uint8_t b : bytes) {
+    fr.feed(reinterpret_cast<const char*>(&b), 1);
+    std::unique_ptr<capnp::MessageReader> r;
+    std::string err;
+    auto res = fr.next(&r, &err);
+    REQUIRE(res != FrameReader::Result::kError);
+    if (res == FrameReader::Result::kFrame) {
+      CHECK(r->getRoot<bb::proto::Request>().getId() == 42);
+      ++frames;
+    }
+  }
+  CHECK(frames == 2);
+  CHECK(fr.pending() == 0);
+}
+
+TEST_CASE("frames_reject_bad_lengths_and_garbage") {
+  std::unique_ptr<capnp::MessageReader> r;
+  std::string err;
+  {
+    FrameReader fr(1024);
+    const char len[4] = {0x00, 0x10, 0x00, 0x00};  // 4096 > 1024
+    fr.feed(len, 4);
+    CHECK(fr.next(&r, &err) == FrameReader::Result::kError);
+    CHECK(err.find("exceeds the maximum") != std::string::npos);
+  }
+  {
+    FrameReader fr(1024);
+    const char len[4] = {0x07, 0, 0, 0};
+    fr.feed(len, 4);
+    CHECK(fr.next(&r, &err) == FrameReader::Result::kError);
+  }
+  {
+    FrameReader fr(1024);
+    char frame[4 + 16] = {16, 0, 0, 0};
+    for (int i = 4; i < 20; ++i) frame[i] = static_cast<char>(0xff);  // segment count 2^32
+    fr.feed(frame, sizeof frame);
+    CHECK(fr.next(&r, &err) == FrameReader::Result::kError);
+    CHECK(err.find("does not") != std::string::npos);
+  }
+  {
+    FrameReader fr(1024);
+    const char part[6] = {64, 0, 0, 0, 1, 2};
+    fr.feed(part, 6);
+    CHECK(fr.next(&r, &err) == FrameReader::Result::kNeedMore);
+    CHECK(fr.pending() == 6);
+  }
+}
+
+TEST_CASE("store_keeps_tasks_and_actions_across_reopen") {
+  char dir[] = "/tmp/bb-store-XXXXXX";
+  REQUIRE(mkdtemp(dir) != nullptr);
+  std::string path = std::string(dir) + "/db";
+  int64_t id = 0;
+  {
+    Store s;
+    REQUIRE(s.open(path).empty());
+    TaskRow row;
+    row.spec.name = "t";
+    row.spec.argv = {"/bin/echo", "a b", ""};
+    row.spec.env = {"A=1"};
+    row.spec.mem_need = 5 * kMiB;
+    REQUIRE(s.insert_task(&row));
+    id = row.id;
+    row.state = "finished";
+    row.exit_code = 3;
+    REQUIRE(s.update_task(row));
+    ActionRow a;
+    a.task = id;
+    a.action = "stop";
+    REQUIRE(s.insert_action(a));
+  }
+  {
+    Store s;
+    REQUIRE(s.open(path).empty());
+    auto rows = s.load_tasks();
+    REQUIRE(rows.size() == 1);
+    CHECK(rows[0].id == id);
+    CHECK(rows[0].spec.argv == std::vector<std::string>{"/bin/echo", "a b", ""});
+    CHECK(rows[0].spec.env == std::vector<std::string>{"A=1"});
+    CHECK(rows[0].state == "finished");
+    CHECK(rows[0].exit_code == 3);
+    CHECK(rows[0].spec.mem_need == 5 * kMiB);
+    CHECK(s.load_actions(0).size() == 1);
+    CHECK(s.count_actions() == 1);
+  }
+  REQUIRE(system((std::string("rm -rf ") + dir).c_str()) == 0);
+}
+
+TEST_CASE("process_identity_includes_start_time") {
+  ProcStat st;
+  REQUIRE(read_proc_stat(getpid(), &st));
+  CHECK(st.start_time > 0);
+  CHECK(same_process(getpid(), st.start_time));
+  CHECK_FALSE(same_process(getpid(), st.start_time + 1));
+}

@@ -1,0 +1,61 @@
+// Attaching to a hub at the wire level, without the task runtime: for tests and fuzzers that
+// play a misbehaving task (one that writes whatever it likes into its page).
+#pragma once
+
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "shm/layout.h"
+#include "shm/wire.h"
+
+namespace bbtest {
+
+inline int connect_hub(const std::string& path) {
+  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::snprintf(a.sun_path, sizeof a.sun_path, "%s", path.c_str());
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    close(fd);
+    return -1;
+  }
+  timeval tv{5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return fd;
+}
+
+struct RawAttach {
+  int sock = -1;
+  int hub_fd = -1;
+  int page_fd = -1;
+  bb::shm::AttachReplyMsg reply{};
+  ~RawAttach() {
+    for (int fd : {sock, hub_fd, page_fd})
+      if (fd >= 0) close(fd);
+  }
+};
+
+// Sends an attach request as a task named `name`; true when the trainer granted a slot.
+inline bool raw_attach(const std::string& socket_path, const char* name, RawAttach* out) {
+  out->sock = connect_hub(socket_path);
+  if (out->sock < 0) return false;
+  auto m = bb::shm::make_msg<bb::shm::AttachTaskMsg>(bb::shm::MsgType::kAttachTask);
+  std::snprintf(m.name, sizeof m.name, "%s", name);
+  if (bb::shm::send_msg(out->sock, &m, sizeof m, nullptr, 0) != 0) return false;
+  char buf[bb::shm::kWireMaxMessage];
+  int fds[2], nfds;
+  const long n = bb::shm::recv_msg(out->sock, buf, fds, &nfds);
+  out->hub_fd = fds[0];
+  out->page_fd = fds[1];
+  if (!bb::shm::check_msg(buf, n, bb::shm::MsgType::kAttachReply, sizeof out->reply)) return false;
+  std::memcpy(&out->reply, buf, sizeof out->reply);
+  return out->reply.status == 0 && nfds == 2;
+}
+
+}  // namespace bbtest
