@@ -191,7 +191,10 @@ HubSnapshot HubObserver::snapshot() const {
       t.started = given != 0 && acked != given;
       if (paused_epoch != 0) {
         t.pause_requested_ns = c->pause_requested_ns.load(std::memory_order_relaxed);
-        if (acked == paused_epoch) t.pause_acked_ns = p->ack_ns.load(std::memory_order_relaxed);
+        // An ack of this epoch or of a later one (the task was started again and acked that)
+        // answers the request. Epochs wrap, so compare by distance.
+        if (int32_t(acked - paused_epoch) >= 0)
+          t.pause_acked_ns = p->ack_ns.load(std::memory_order_relaxed);
       }
     }
     s.tasks.push_back(std::move(t));
@@ -219,11 +222,11 @@ size_t HubObserver::read_events(uint64_t* cursor, Event* out, size_t cap, uint64
       continue;
     }
     Event ev;
-    ev.type = EventType(e.kind);
-    ev.slot = e.slot;
-    ev.ts_ns = e.ts_ns;
-    ev.a = e.a;
-    ev.b = e.b;
+    ev.type = EventType(e.kind.load(std::memory_order_relaxed));
+    ev.slot = e.slot.load(std::memory_order_relaxed);
+    ev.ts_ns = e.ts_ns.load(std::memory_order_relaxed);
+    ev.a = e.a.load(std::memory_order_relaxed);
+    ev.b = e.b.load(std::memory_order_relaxed);
     std::atomic_thread_fence(std::memory_order_acquire);
     if (e.commit.load(std::memory_order_relaxed) != c0) {
       ++skipped;

@@ -68,11 +68,11 @@ struct HubSnapshot {
 };
 
 enum class EventType : uint16_t {
-  kBubbleBegin = 1,  // a = expected_ns, b = free_mem
-  kBubbleEnd = 2,    // a = duration_ns
-  kTaskStart = 3,    // slot; a = bubble_seq, b = start latency ns
-  kTaskPause = 4,    // slot; a = bubble_seq, b = pause latency ns
-  kTaskStep = 5,     // slot; a = step start ns, b = step duration ns
+  kBubbleBegin = 1,  // ts = begin; a = expected_ns (0 unknown), b = free_mem
+  kBubbleEnd = 2,    // ts = end; a = duration_ns
+  kTaskStart = 3,    // slot; ts = when the task ran; a = run epoch, b = start latency ns
+  kTaskPause = 4,    // slot; ts = the ack; a = run epoch, b = pause latency ns (0 if it yielded)
+  kTaskStep = 5,     // slot; ts = step start; a = duration ns, b = ns of it past the bubble's end
   kTaskAttach = 6,   // slot; a = pid
   kTaskDetach = 7,   // slot; a = pid, b = 1 if it died
   kTaskFinish = 8,   // slot; a = 0 finished / 1 failed

@@ -1,10 +1,35 @@
 #!/usr/bin/env bash
-# Runs every libbubble test: installs missing Debian packages, configures and builds the release
-# preset, then runs the whole CTest suite (unit, multi-process, protocol, agent, bindings).
+# Runs every libbubble test. Installs missing Debian packages, configures and builds, then:
+#   1. the whole CTest suite on the release build (unit, multi-process, protocol, fault
+#      injection, agent, bindings, PyTorch pipeline);
+#   2. the unit and multi-process tests again under AddressSanitizer+UBSan and ThreadSanitizer;
+#   3. every libFuzzer target for a bounded time over its seed corpus.
 #
-#   bash tests/run.sh [ctest arguments, e.g. -R process/]
+#   bash tests/run.sh            # all of the above (about 20-30 minutes on 2 cores)
+#   bash tests/run.sh --quick    # step 1 only
+#   BUBBLE_FUZZ_SECONDS=N        # seconds per fuzz target (default 30)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+quick=0
+[ "${1:-}" = "--quick" ] && quick=1
+jobs="$(nproc)"
+
 "$root/.ci/setup.sh" release
-cd "$root/build/release"
-ctest --output-on-failure -j "$(nproc)" --timeout 900 "$@"
+echo "== tests: release build"
+(cd "$root/build/release" && ctest --output-on-failure -j "$jobs" --timeout 900)
+((quick)) && exit 0
+
+for preset in asan tsan; do
+  echo "== tests: $preset build (unit and multi-process)"
+  cmake --preset "$preset" -S "$root" > /dev/null
+  cmake --build --preset "$preset" -j "$jobs" --target bubble_unit_tests bubble_process_tests \
+    bb_test_task bb_test_trainer bb_hostile_task bubble_cuda_double bubble_grant_peer
+  (cd "$root/build/$preset" &&
+     ctest --output-on-failure -j "$jobs" --timeout 900 -R '^(unit|process)/')
+done
+
+echo "== fuzzing: ${BUBBLE_FUZZ_SECONDS:-30} s per target"
+cmake --preset fuzz -S "$root" -DBUBBLE_FUZZ_SECONDS="${BUBBLE_FUZZ_SECONDS:-30}" > /dev/null
+cmake --build --preset fuzz -j "$jobs"
+(cd "$root/build/fuzz" && ctest --output-on-failure -j "$jobs" -L fuzz)
+echo "== all test stages passed"

@@ -52,6 +52,14 @@ TEST_CASE("enforcer_stops_continues_then_kills_a_task_that_never_acks") {
   CHECK(st.violations == 3);
 }
 
+TEST_CASE("enforcer_ignores_an_old_request_once_a_later_start_was_acked") {
+  EnforceConfig cfg{5 * kMs, 3};
+  EnforceState st;
+  PauseState yielded{100 * kMs, 0, false};
+  CHECK(enforce_step(cfg, &st, {false, 4}, yielded, 500 * kMs) == Verdict::kNone);
+  CHECK(st.violations == 0);
+}
+
 TEST_CASE("enforcer_kill_after_one_kills_at_first_violation") {
   EnforceConfig cfg{1 * kMs, 1};
   EnforceState st;

@@ -20,10 +20,7 @@ func (s *sumOfSquares) Step(bubble.StepInfo) (bubble.StepResult, error) {
 }
 
 func main() {
-	job := "example"
-	if len(os.Args) > 1 {
-		job = os.Args[1]
-	}
+	job := append(os.Args[1:], "example")[0]
 	task, err := bubble.Attach(job, 0, "go-side-task", nil)
 	if err != nil {
 		log.Fatal(err)

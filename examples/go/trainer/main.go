@@ -11,10 +11,7 @@ import (
 )
 
 func main() {
-	job := "example"
-	if len(os.Args) > 1 {
-		job = os.Args[1]
-	}
+	job := append(os.Args[1:], "example")[0]
 	trainer, err := bubble.OpenTrainer(job, 0, nil)
 	if err != nil {
 		log.Fatal(err)

@@ -1,0 +1,443 @@
+// libbubble for C++: a header-only RAII layer over the C ABI in bubble.h.
+//
+// Handles are move-only and close themselves; a failed call throws bubble::error, which carries
+// the status and bb_last_error()'s sentence. Nothing here re-implements the runtime: every call
+// is one C call. Requires C++17; the side_task_like concept is used under C++20.
+#pragma once
+
+#include <bubble/bubble.h>
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#if __cplusplus >= 202002L && __has_include(<concepts>)
+#include <concepts>
+#define BUBBLE_HPP_CONCEPTS 1
+#endif
+
+namespace bubble {
+
+// Generated from the same table as the C enum, so the two cannot drift.
+enum class status : int {
+#define BUBBLE_HPP_STATUS_(name, value, text) name = value,
+  BB_STATUS_MAP(BUBBLE_HPP_STATUS_)
+#undef BUBBLE_HPP_STATUS_
+};
+
+inline const char* name_of(status s) noexcept { return bb_status_name(static_cast<bb_status>(s)); }
+inline const char* describe(status s) noexcept { return bb_status_str(static_cast<bb_status>(s)); }
+
+// What every failed call throws. what() is the library's sentence followed by the status name.
+class error : public std::runtime_error {
+ public:
+  error(status code, const std::string& message)
+      : std::runtime_error(message + " [" + name_of(code) + "]"), code_(code), message_(message) {}
+  status code() const noexcept { return code_; }
+  // The library's sentence alone (what() appends the status name).
+  const std::string& message() const noexcept { return message_; }
+
+ private:
+  status code_;
+  std::string message_;
+};
+
+namespace detail {
+
+// Must run right after the failing call: bb_last_error() is per thread and reset by any call.
+[[noreturn]] inline void throw_status(bb_status s) {
+  std::string msg = bb_last_error();
+  if (msg.empty()) msg = bb_status_str(s);
+  throw error(static_cast<status>(s), msg);
+}
+
+inline void check(bb_status s) {
+  if (s != BB_OK) throw_status(s);
+}
+
+// A move-only owner of one C handle, closed by Close exactly once.
+template <typename Handle, bb_status (*Close)(Handle)>
+class unique_handle {
+ public:
+  unique_handle() noexcept = default;
+  explicit unique_handle(Handle h) noexcept : h_(h) {}
+  unique_handle(const unique_handle&) = delete;
+  unique_handle& operator=(const unique_handle&) = delete;
+  unique_handle(unique_handle&& o) noexcept : h_(std::exchange(o.h_, nullptr)) {}
+  unique_handle& operator=(unique_handle&& o) noexcept {
+    if (this != &o) {
+      reset();
+      h_ = std::exchange(o.h_, nullptr);
+    }
+    return *this;
+  }
+  ~unique_handle() { reset(); }
+
+  Handle get() const {
+    if (!h_) throw error(status::E_STATE, "the handle was closed or moved from; open a new one");
+    return h_;
+  }
+  explicit operator bool() const noexcept { return h_ != nullptr; }
+  // Closes now; a destructor cannot report the status, this can.
+  void close() {
+    if (Handle h = std::exchange(h_, nullptr)) check(Close(h));
+  }
+
+ private:
+  void reset() noexcept {
+    if (Handle h = std::exchange(h_, nullptr)) (void)Close(h);
+  }
+  Handle h_ = nullptr;
+};
+
+inline uint64_t to_ns(std::chrono::nanoseconds d) {
+  return d.count() <= 0 ? 0 : static_cast<uint64_t>(d.count());
+}
+
+}  // namespace detail
+
+inline constexpr uint64_t mem_unknown = BB_MEM_UNKNOWN;
+
+inline std::string_view library_version() noexcept { return bb_version(); }
+inline uint64_t now_ns() noexcept { return bb_now_ns(); }
+
+enum class bubble_kind : uint32_t {
+  other = BB_BUBBLE_OTHER,
+  warmup = BB_BUBBLE_WARMUP,
+  steady = BB_BUBBLE_STEADY,
+  cooldown = BB_BUBBLE_COOLDOWN,
+};
+
+// ------------------------------------------------------------------------------------------
+// Trainer side.
+
+struct trainer_options {
+  uint32_t max_slots = 64;
+  uint32_t max_running = 1;
+  uint32_t event_capacity = 4096;
+  std::string runtime_dir;  // empty: $BUBBLE_RUNTIME_DIR, else the default
+  std::optional<uint32_t> allow_uid;
+};
+
+using trainer_stats = bb_trainer_stats_t;
+
+struct task_info {
+  uint64_t id;
+  uint32_t slot;
+  std::string name;
+  int32_t pid;
+  int32_t priority;
+  uint64_t mem_need;
+  uint64_t min_step_ns;
+  uint64_t steps;
+  uint64_t step_ns;
+  bool running;
+  bool bad;
+};
+
+class trainer {
+ public:
+  // Creates the hub of (job_id, rank). Throws with status E_BUSY if a live trainer owns it.
+  trainer(const std::string& job_id, uint32_t rank, const trainer_options& o = {}) {
+    bb_trainer_options_t opts;
+    bb_trainer_options_init(&opts);
+    opts.max_slots = o.max_slots;
+    opts.max_running = o.max_running;
+    opts.event_capacity = o.event_capacity;
+    opts.runtime_dir = o.runtime_dir.empty() ? nullptr : o.runtime_dir.c_str();
+    if (o.allow_uid) opts.allow_uid = *o.allow_uid;
+    bb_trainer_h h = nullptr;
+    detail::check(bb_trainer_open(job_id.c_str(), rank, &opts, &h));
+    h_ = handle(h);
+  }
+
+  // A bubble starts now. expected == 0 asks the predictor; free_mem empty means unknown.
+  void begin(std::chrono::nanoseconds expected = {}, bubble_kind kind = bubble_kind::other,
+             std::optional<uint64_t> free_mem = std::nullopt) {
+    detail::check(bb_bubble_begin(h_.get(), detail::to_ns(expected),
+                                  free_mem.value_or(BB_MEM_UNKNOWN),
+                                  static_cast<bb_bubble_kind>(kind)));
+  }
+  void end() { detail::check(bb_bubble_end(h_.get())); }
+  void iteration() { detail::check(bb_trainer_iteration(h_.get())); }
+
+  // Marks a scope (typically a blocking receive) as a bubble; ends it even on exceptions.
+  class scoped_bubble {
+   public:
+    scoped_bubble(trainer& t, std::chrono::nanoseconds expected = {},
+                  bubble_kind kind = bubble_kind::other)
+        : t_(t) {
+      t_.begin(expected, kind);
+    }
+    scoped_bubble(const scoped_bubble&) = delete;
+    scoped_bubble& operator=(const scoped_bubble&) = delete;
+    // Never throws: a trainer closed inside the scope has no bubble left to end.
+    ~scoped_bubble() {
+      if (t_.h_) (void)bb_bubble_end(t_.h_.get());
+    }
+
+   private:
+    trainer& t_;
+  };
+  [[nodiscard]] scoped_bubble bubble(std::chrono::nanoseconds expected = {},
+                                     bubble_kind kind = bubble_kind::other) {
+    return scoped_bubble(*this, expected, kind);
+  }
+
+  trainer_stats stats() const {
+    bb_trainer_stats_t s{};
+    s.size = sizeof s;
+    detail::check(bb_trainer_stats(h_.get(), &s));
+    return s;
+  }
+
+  std::vector<task_info> tasks() const {
+    size_t count = 0;
+    detail::check(bb_trainer_tasks(h_.get(), nullptr, 0, &count));
+    std::vector<bb_task_info_t> raw;
+    do {  // tasks may attach between the calls: grow until everything fits
+      bb_task_info_t proto{};
+      proto.size = sizeof proto;
+      raw.assign(count + 4, proto);
+      detail::check(bb_trainer_tasks(h_.get(), raw.data(), raw.size(), &count));
+    } while (count > raw.size());
+    std::vector<task_info> out;
+    out.reserve(count);
+    for (size_t i = 0; i < count; ++i) {
+      const auto& r = raw[i];
+      out.push_back({r.id, r.slot, r.name, r.pid, r.priority, r.mem_need, r.min_step_ns,
+                     r.steps, r.step_ns, r.running != 0, r.bad != 0});
+    }
+    return out;
+  }
+
+  void stop_task(uint64_t task_id) { detail::check(bb_trainer_stop_task(h_.get(), task_id)); }
+
+  // Stops every task and removes the hub now (the destructor does the same, silently).
+  void close() { h_.close(); }
+  bb_trainer_h native_handle() const { return h_.get(); }
+
+ private:
+  using handle = detail::unique_handle<bb_trainer_h, bb_trainer_close>;
+  handle h_;
+};
+
+// ------------------------------------------------------------------------------------------
+// Side-task side.
+
+enum class on_trainer_exit : uint32_t {
+  return_error = BB_ON_TRAINER_EXIT_RETURN,
+  wait = BB_ON_TRAINER_EXIT_WAIT,
+};
+
+// How a task waits for its next start.
+enum class wake_mode : uint32_t {
+  predictive = BB_WAKE_PREDICTIVE,  // sleep, and spin from wake_lead before the predicted bubble
+  sleep = BB_WAKE_SLEEP,            // spin briefly, then sleep: least CPU, a wake-up's latency
+  spin = BB_WAKE_SPIN,              // spin all the time: lowest latency, a whole core
+};
+
+struct task_options {
+  int32_t priority = 0;
+  uint64_t mem_need = 0;
+  std::chrono::nanoseconds min_step{0};
+  on_trainer_exit trainer_exit = on_trainer_exit::return_error;
+  std::chrono::nanoseconds reattach_timeout = std::chrono::seconds(60);
+  std::chrono::nanoseconds spin = std::chrono::microseconds(20);
+  std::string runtime_dir;
+  bubble::wake_mode wake = bubble::wake_mode::predictive;
+  std::chrono::nanoseconds wake_lead = std::chrono::microseconds(50);
+};
+
+using start_info = bb_start_info_t;
+using step_info = bb_step_info_t;
+
+enum class step_result { more, done };
+// How task::run ended when nothing failed.
+enum class outcome { finished, stopped, trainer_gone };
+
+// The iterative interface: derive and override step (and any of the others). An exception
+// thrown from any of them ends the run, and task::run rethrows it.
+class side_task {
+ public:
+  virtual ~side_task() = default;
+  virtual void init() {}
+  virtual step_result step(const step_info& info) = 0;
+  virtual void pause() {}
+  virtual void resume() {}
+  virtual void finish(status) {}
+};
+
+#ifdef BUBBLE_HPP_CONCEPTS
+// Anything with step(const step_info&) -> step_result can run without deriving from side_task;
+// init/pause/resume/finish are called when present.
+template <typename T>
+concept side_task_like = requires(T& t, const step_info& i) {
+  { t.step(i) } -> std::same_as<step_result>;
+};
+#endif
+
+class task {
+ public:
+  task(const std::string& job_id, uint32_t rank, const std::string& name,
+       const task_options& o = {}) {
+    bb_task_options_t opts;
+    bb_task_options_init(&opts);
+    opts.priority = o.priority;
+    opts.mem_need = o.mem_need;
+    opts.min_step_ns = detail::to_ns(o.min_step);
+    opts.on_trainer_exit = static_cast<uint32_t>(o.trainer_exit);
+    opts.reattach_timeout_ns = detail::to_ns(o.reattach_timeout);
+    opts.spin_ns = detail::to_ns(o.spin);
+    opts.runtime_dir = o.runtime_dir.empty() ? nullptr : o.runtime_dir.c_str();
+    opts.wake_mode = static_cast<uint32_t>(o.wake);
+    opts.wake_lead_ns = detail::to_ns(o.wake_lead);
+    bb_task_h h = nullptr;
+    detail::check(bb_task_attach(job_id.c_str(), rank, name.c_str(), &opts, &h));
+    h_ = handle(h);
+  }
+
+  // Iterative: the runtime drives t until it is done, stopped or the trainer leaves.
+  outcome run(side_task& t) { return run_with(t); }
+#ifdef BUBBLE_HPP_CONCEPTS
+  template <side_task_like T>
+    requires(!std::derived_from<T, side_task>)
+  outcome run(T& t) { return run_with(t); }
+#endif
+
+  // Imperative: waits for the next start; empty after the timeout (none = wait forever).
+  // Throws with E_STOPPED when told to stop and E_TRAINER_GONE when the trainer left.
+  std::optional<start_info> wait_start(std::optional<std::chrono::nanoseconds> timeout = {}) {
+    bb_start_info_t info{};
+    info.size = sizeof info;
+    int64_t t = timeout ? (timeout->count() < 0 ? 0 : timeout->count()) : -1;
+    bb_status s = bb_task_wait_start(h_.get(), t, &info);
+    if (s == BB_E_TIMEOUT) return std::nullopt;
+    detail::check(s);
+    return info;
+  }
+  // One load from shared memory; true once the bubble ended or a stop was asked.
+  bool should_pause() const { return bb_task_should_pause(h_.get()) != 0; }
+  void ack_pause() { detail::check(bb_task_ack_pause(h_.get())); }
+  void report_step(std::chrono::nanoseconds d) {
+    detail::check(bb_task_report_step(h_.get(), detail::to_ns(d)));
+  }
+  struct time_budget {
+    std::optional<uint64_t> left_ns;  // empty when the trainer gave no deadline
+    uint64_t est_step_ns;             // 0 before the first step
+  };
+  time_budget time_left() const {
+    uint64_t left = 0, est = 0;
+    detail::check(bb_task_time_left(h_.get(), &left, &est));
+    return {left == UINT64_MAX ? std::nullopt : std::optional<uint64_t>(left), est};
+  }
+
+  // Acks any pending pause and releases the slot now (the destructor does it silently).
+  void detach() { h_.close(); }
+  bb_task_h native_handle() const { return h_.get(); }
+
+ private:
+  template <typename T>
+  struct bridge {
+    T& task;
+    std::exception_ptr failure;
+
+    template <typename F>
+    static int guarded(void* user, F&& f) noexcept {
+      auto* self = static_cast<bridge*>(user);
+      if (self->failure) return -1;
+      try {
+        return f(self->task);
+      } catch (...) {
+        // Exceptions must not unwind through C frames: carry it across and rethrow in run().
+        self->failure = std::current_exception();
+        return -1;
+      }
+    }
+    static int init(void* u) noexcept {
+      return guarded(u, [](T& t) {
+        if constexpr (requires_init) t.init();
+        return 0;
+      });
+    }
+    static int step(void* u, const bb_step_info_t* i) noexcept {
+      return guarded(u, [i](T& t) {
+        return t.step(*i) == step_result::done ? BB_STEP_DONE : BB_STEP_CONTINUE;
+      });
+    }
+    static int pause(void* u) noexcept {
+      return guarded(u, [](T& t) {
+        if constexpr (requires_pause) t.pause();
+        return 0;
+      });
+    }
+    static int resume(void* u) noexcept {
+      return guarded(u, [](T& t) {
+        if constexpr (requires_resume) t.resume();
+        return 0;
+      });
+    }
+    static void finish(void* u, bb_status s) noexcept {
+      (void)guarded(u, [s](T& t) {
+        if constexpr (requires_finish) t.finish(static_cast<status>(s));
+        return 0;
+      });
+    }
+
+    template <typename U, typename = void>
+    struct has_init : std::false_type {};
+    template <typename U>
+    struct has_init<U, std::void_t<decltype(std::declval<U&>().init())>> : std::true_type {};
+    template <typename U, typename = void>
+    struct has_pause : std::false_type {};
+    template <typename U>
+    struct has_pause<U, std::void_t<decltype(std::declval<U&>().pause())>> : std::true_type {};
+    template <typename U, typename = void>
+    struct has_resume : std::false_type {};
+    template <typename U>
+    struct has_resume<U, std::void_t<decltype(std::declval<U&>().resume())>> : std::true_type {};
+    template <typename U, typename = void>
+    struct has_finish : std::false_type {};
+    template <typename U>
+    struct has_finish<U, std::void_t<decltype(std::declval<U&>().finish(status::OK))>>
+        : std::true_type {};
+    static constexpr bool requires_init = has_init<T>::value;
+    static constexpr bool requires_pause = has_pause<T>::value;
+    static constexpr bool requires_resume = has_resume<T>::value;
+    static constexpr bool requires_finish = has_finish<T>::value;
+  };
+
+  template <typename T>
+  outcome run_with(T& t) {
+    using B = bridge<T>;
+    B b{t, nullptr};
+    bb_task_callbacks_t cbs;
+    bb_task_callbacks_init(&cbs);
+    cbs.user = &b;
+    cbs.init = &B::init;
+    cbs.step = &B::step;
+    cbs.pause = &B::pause;
+    cbs.resume = &B::resume;
+    cbs.finish = &B::finish;
+    bb_status s = bb_task_run(h_.get(), &cbs);
+    if (b.failure) std::rethrow_exception(b.failure);
+    switch (s) {
+      case BB_OK: return outcome::finished;
+      case BB_E_STOPPED: return outcome::stopped;
+      case BB_E_TRAINER_GONE: return outcome::trainer_gone;
+      default: detail::throw_status(s);
+    }
+  }
+
+  using handle = detail::unique_handle<bb_task_h, bb_task_detach>;
+  handle h_;
+};
+
+}  // namespace bubble

@@ -1,0 +1,322 @@
+package bubble
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+var jobs int32
+
+func uniqueJob() string {
+	return fmt.Sprintf("go-%d-%d", os.Getpid(), atomic.AddInt32(&jobs, 1))
+}
+
+func TestMain(m *testing.M) {
+	// A private runtime directory: no hub of another run or user is touched.
+	dir, err := os.MkdirTemp("", "bb-go-")
+	if err != nil {
+		panic(err)
+	}
+	os.Setenv("BUBBLE_RUNTIME_DIR", dir)
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+func eventually(t *testing.T, what string, pred func() bool) {
+	t.Helper()
+	end := time.Now().Add(20 * time.Second)
+	for !pred() {
+		if time.Now().After(end) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// bubbleUntil opens bubbles until pred holds inside one. A task that has not yet acked the
+// pause of the previous bubble is (rightly) not started, and nothing on the trainer side tells
+// when that ack lands: so a bubble in which nothing started is closed and another one opened.
+func bubbleUntil(t *testing.T, tr *Trainer, pred func() bool) bool {
+	t.Helper()
+	for attempt := 0; attempt < 20; attempt++ {
+		if err := tr.Begin(50*time.Millisecond, BubbleSteady, MemUnknown); err != nil {
+			t.Fatal(err)
+		}
+		ok := false
+		for end := time.Now().Add(time.Second); !ok && time.Now().Before(end); time.Sleep(time.Millisecond) {
+			ok = pred()
+		}
+		if err := tr.End(); err != nil {
+			t.Fatal(err)
+		}
+		if ok {
+			return true
+		}
+	}
+	return false
+}
+
+func openTrainer(t *testing.T) (*Trainer, string) {
+	t.Helper()
+	job := uniqueJob()
+	tr, err := OpenTrainer(job, 0, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { tr.Close() })
+	return tr, job
+}
+
+func taskCount(t *testing.T, tr *Trainer) int {
+	tasks, err := tr.Tasks()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(tasks)
+}
+
+func TestAttachWithoutTrainerIsNotFound(t *testing.T) {
+	_, err := Attach(uniqueJob(), 0, "orphan", nil)
+	if !errors.Is(err, ErrNotFound) {
+		t.Fatalf("want ErrNotFound, got %v", err)
+	}
+	var e *Error
+	if !errors.As(err, &e) || e.Message == "" {
+		t.Fatalf("want an *Error with the library's message, got %#v", err)
+	}
+}
+
+func TestSecondTrainerIsBusy(t *testing.T) {
+	_, job := openTrainer(t)
+	if _, err := OpenTrainer(job, 0, nil); !errors.Is(err, ErrBusy) {
+		t.Fatalf("want ErrBusy, got %v", err)
+	}
+}
+
+func TestBadNamesAreInvalid(t *testing.T) {
+	for _, job := range []string{"has space", "nul\x00byte", ""} {
+		if _, err := OpenTrainer(job, 0, nil); !errors.Is(err, ErrInvalid) {
+			t.Errorf("job %q: want ErrInvalid, got %v", job, err)
+		}
+	}
+}
+
+func TestCloseTwiceAndUseAfterClose(t *testing.T) {
+	tr, job := openTrainer(t)
+	if err := tr.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := tr.Close(); err != nil {
+		t.Fatalf("second Close: %v", err)
+	}
+	if err := tr.Begin(0, BubbleOther, MemUnknown); !errors.Is(err, ErrState) {
+		t.Fatalf("want ErrState after Close, got %v", err)
+	}
+	if _, err := Attach(job, 0, "late", nil); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("the hub should be gone, got %v", err)
+	}
+}
+
+func TestImperativeLoop(t *testing.T) {
+	tr, job := openTrainer(t)
+	task, err := Attach(job, 0, "imperative", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer task.Close()
+	if start, err := task.WaitStart(time.Millisecond); start != nil || err != nil {
+		t.Fatalf("want a timeout, got %v %v", start, err)
+	}
+	started := make(chan *StartInfo, 1)
+	go func() {
+		s, err := task.WaitStart(20 * time.Second)
+		if err != nil {
+			t.Error(err)
+		}
+		started <- s
+	}()
+	if err := tr.Begin(50*time.Millisecond, BubbleSteady, MemUnknown); err != nil {
+		t.Fatal(err)
+	}
+	s := <-started
+	if s == nil || s.Kind != BubbleSteady {
+		t.Fatalf("bad start %+v", s)
+	}
+	if task.ShouldPause() {
+		t.Fatal("paused inside the bubble")
+	}
+	if err := task.ReportStep(time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	if err := tr.End(); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "should pause", task.ShouldPause)
+	if err := task.AckPause(); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := tr.Stats(); err != nil || st.Bubbles != 1 {
+		t.Fatalf("stats %+v %v", st, err)
+	}
+	// Step reports reach the trainer's counters through its service thread.
+	eventually(t, "the step report", func() bool { st, _ := tr.Stats(); return st.Steps == 1 })
+}
+
+type counting struct {
+	steps, pauses, resumes, inits atomic.Int32
+	doneAfter                     int32
+	finished                      chan error
+	failWith                      error
+	panicWith                     interface{}
+}
+
+func (c *counting) Init() error { c.inits.Add(1); return nil }
+func (c *counting) Step(StepInfo) (StepResult, error) {
+	if c.failWith != nil {
+		return Continue, c.failWith
+	}
+	if c.panicWith != nil {
+		panic(c.panicWith)
+	}
+	time.Sleep(time.Millisecond)
+	if c.steps.Add(1) == c.doneAfter {
+		return Done, nil
+	}
+	return Continue, nil
+}
+func (c *counting) Pause() error     { c.pauses.Add(1); return nil }
+func (c *counting) Resume() error    { c.resumes.Add(1); return nil }
+func (c *counting) Finish(err error) { c.finished <- err }
+
+type runResult struct {
+	outcome Outcome
+	err     error
+}
+
+func runInBackground(t *testing.T, job, name string, c *counting) chan runResult {
+	done := make(chan runResult, 1)
+	go func() {
+		defer func() {
+			if p := recover(); p != nil {
+				done <- runResult{err: fmt.Errorf("panic: %v", p)}
+			}
+		}()
+		task, err := Attach(job, 0, name, nil)
+		if err != nil {
+			done <- runResult{err: err}
+			return
+		}
+		defer task.Close()
+		o, err := task.Run(c)
+		done <- runResult{o, err}
+	}()
+	return done
+}
+
+func TestSideTaskRunsInBubblesAndStops(t *testing.T) {
+	tr, job := openTrainer(t)
+	c := &counting{finished: make(chan error, 1)}
+	done := runInBackground(t, job, "iterative", c)
+	eventually(t, "attach and init", func() bool { return taskCount(t, tr) == 1 && c.inits.Load() == 1 })
+	for i := int32(1); i <= 3; i++ {
+		before := c.steps.Load()
+		if !bubbleUntil(t, tr, func() bool { return c.steps.Load() > before }) {
+			t.Fatal("the task never stepped in a bubble")
+		}
+		eventually(t, "a pause", func() bool { return c.pauses.Load() == i })
+	}
+	if c.resumes.Load() != 3 {
+		t.Fatalf("resumes = %d", c.resumes.Load())
+	}
+	tasks, _ := tr.Tasks()
+	if err := tr.StopTask(tasks[0].ID); err != nil {
+		t.Fatal(err)
+	}
+	r := <-done
+	if r.err != nil || r.outcome != Stopped {
+		t.Fatalf("run = %v, %v", r.outcome, r.err)
+	}
+	if err := <-c.finished; !errors.Is(err, ErrStopped) {
+		t.Fatalf("finish got %v", err)
+	}
+}
+
+func TestStepDoneFinishes(t *testing.T) {
+	tr, job := openTrainer(t)
+	c := &counting{doneAfter: 2, finished: make(chan error, 1)}
+	done := runInBackground(t, job, "finisher", c)
+	eventually(t, "attach", func() bool { return taskCount(t, tr) == 1 })
+	tr.Begin(200*time.Millisecond, BubbleOther, MemUnknown)
+	r := <-done
+	tr.End()
+	if r.err != nil || r.outcome != Finished || c.steps.Load() != 2 {
+		t.Fatalf("run = %v, %v after %d steps", r.outcome, r.err, c.steps.Load())
+	}
+	if err := <-c.finished; err != nil {
+		t.Fatalf("finish got %v", err)
+	}
+}
+
+var errLost = errors.New("lost the data")
+
+func TestStepErrorComesBackFromRun(t *testing.T) {
+	tr, job := openTrainer(t)
+	c := &counting{failWith: errLost, finished: make(chan error, 1)}
+	done := runInBackground(t, job, "failing", c)
+	eventually(t, "attach", func() bool { return taskCount(t, tr) == 1 })
+	tr.Begin(50*time.Millisecond, BubbleOther, MemUnknown)
+	r := <-done
+	tr.End()
+	if !errors.Is(r.err, ErrCallbackFailed) || !errors.Is(r.err, errLost) {
+		t.Fatalf("want ErrCallbackFailed wrapping errLost, got %v", r.err)
+	}
+}
+
+func TestStepPanicIsRepanickedAfterRun(t *testing.T) {
+	tr, job := openTrainer(t)
+	c := &counting{panicWith: "on purpose", finished: make(chan error, 1)}
+	done := runInBackground(t, job, "panicking", c)
+	eventually(t, "attach", func() bool { return taskCount(t, tr) == 1 })
+	tr.Begin(50*time.Millisecond, BubbleOther, MemUnknown)
+	r := <-done
+	tr.End()
+	if r.err == nil || r.err.Error() != "panic: on purpose" {
+		t.Fatalf("want the step's panic, got %v", r.err)
+	}
+}
+
+func TestTasksListsAttachedTasks(t *testing.T) {
+	tr, job := openTrainer(t)
+	a, err := Attach(job, 0, "alpha", &TaskOptions{Priority: 5, MemNeed: 4096})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	b, err := Attach(job, 0, "beta", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The trainer's service thread lists a task shortly after its attach returns.
+	eventually(t, "both tasks listed", func() bool { return taskCount(t, tr) == 2 })
+	tasks, err := tr.Tasks()
+	if err != nil || len(tasks) != 2 {
+		t.Fatalf("tasks %+v %v", tasks, err)
+	}
+	byName := map[string]TaskInfo{}
+	for _, ti := range tasks {
+		byName[ti.Name] = ti
+	}
+	if byName["alpha"].Priority != 5 || byName["alpha"].MemNeed != 4096 || int(byName["alpha"].PID) != os.Getpid() {
+		t.Fatalf("alpha = %+v", byName["alpha"])
+	}
+	if byName["alpha"].ID == byName["beta"].ID {
+		t.Fatal("ids collide")
+	}
+	b.Close()
+	eventually(t, "beta gone", func() bool { return taskCount(t, tr) == 1 })
+}

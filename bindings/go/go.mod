@@ -1,0 +1,3 @@
+module libbubble/go/bubble
+
+go 1.19

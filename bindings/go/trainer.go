@@ -1,0 +1,255 @@
+package bubble
+
+/*
+#include <stdlib.h>
+#include <bubble/bubble.h>
+*/
+import "C"
+
+import (
+	"runtime"
+	"time"
+	"unsafe"
+)
+
+// BubbleKind says where in the pipeline schedule a bubble sits.
+type BubbleKind uint32
+
+const (
+	BubbleOther    BubbleKind = C.BB_BUBBLE_OTHER
+	BubbleWarmup   BubbleKind = C.BB_BUBBLE_WARMUP   // pipeline fill
+	BubbleSteady   BubbleKind = C.BB_BUBBLE_STEADY   // a point-to-point wait in the steady state
+	BubbleCooldown BubbleKind = C.BB_BUBBLE_COOLDOWN // pipeline drain
+)
+
+// TrainerOptions sizes the hub; the zero value means the library's defaults.
+type TrainerOptions struct {
+	MaxSlots      uint32
+	MaxRunning    uint32
+	EventCapacity uint32
+	RuntimeDir    string // "": $BUBBLE_RUNTIME_DIR, else the library's default
+	AllowUID      *uint32
+}
+
+// TrainerStats are the hub's counters (times in nanoseconds).
+type TrainerStats struct {
+	TasksAttached                         uint32
+	Bubbles, BubbleNs                     uint64
+	Starts, Pauses, Wakes                 uint64
+	TaskNsInBubbles, TaskNsOutside, Steps uint64
+	StartLatencyP50Ns, StartLatencyP99Ns  uint64
+	PauseLatencyP50Ns, PauseLatencyP99Ns  uint64
+	TasksReclaimed, TasksBad              uint64
+	EventsDropped                         uint64
+}
+
+// TaskInfo is one attached side task as the trainer sees it.
+type TaskInfo struct {
+	ID        uint64
+	Slot      uint32
+	Name      string
+	PID       int32
+	Priority  int32
+	MemNeed   uint64
+	MinStepNs uint64
+	Steps     uint64
+	StepNs    uint64
+	Running   bool
+	Bad       bool
+}
+
+// Trainer owns the hub of one trainer rank. Begin and End must come from one goroutine at a
+// time; the other methods may be called from any.
+type Trainer struct {
+	h C.bb_trainer_h
+}
+
+// OpenTrainer creates the hub of (jobID, rank); errors.Is(err, ErrBusy) when a live trainer
+// owns it. opts may be nil.
+func OpenTrainer(jobID string, rank uint32, opts *TrainerOptions) (*Trainer, error) {
+	job, err := cName("job id", jobID)
+	if err != nil {
+		return nil, err
+	}
+	defer C.free(unsafe.Pointer(job))
+	var o C.bb_trainer_options_t
+	C.bb_trainer_options_init(&o)
+	if opts != nil {
+		if opts.MaxSlots != 0 {
+			o.max_slots = C.uint32_t(opts.MaxSlots)
+		}
+		if opts.MaxRunning != 0 {
+			o.max_running = C.uint32_t(opts.MaxRunning)
+		}
+		if opts.EventCapacity != 0 {
+			o.event_capacity = C.uint32_t(opts.EventCapacity)
+		}
+		if opts.RuntimeDir != "" {
+			dir := C.CString(opts.RuntimeDir)
+			defer C.free(unsafe.Pointer(dir))
+			o.runtime_dir = dir
+		}
+		if opts.AllowUID != nil {
+			o.allow_uid = C.uint32_t(*opts.AllowUID)
+		}
+	}
+	t := &Trainer{}
+	if err := call(func() C.bb_status { return C.bb_trainer_open(job, C.uint32_t(rank), &o, &t.h) }); err != nil {
+		return nil, err
+	}
+	runtime.SetFinalizer(t, (*Trainer).Close)
+	return t, nil
+}
+
+func (t *Trainer) handle() (C.bb_trainer_h, error) {
+	if t == nil || t.h == nil {
+		return nil, &Error{Status: ErrState, Message: "the trainer is closed; open a new one with OpenTrainer"}
+	}
+	return t.h, nil
+}
+
+// Close stops every attached task and removes the hub. Calling it again does nothing.
+func (t *Trainer) Close() error {
+	if t == nil || t.h == nil {
+		return nil
+	}
+	h := t.h
+	t.h = nil
+	runtime.SetFinalizer(t, nil)
+	return call(func() C.bb_status { return C.bb_trainer_close(h) })
+}
+
+// Begin says a bubble starts now. expected 0 asks the predictor; freeMem MemUnknown if unknown.
+func (t *Trainer) Begin(expected time.Duration, kind BubbleKind, freeMem uint64) error {
+	h, err := t.handle()
+	if err != nil {
+		return err
+	}
+	err = call(func() C.bb_status {
+		return C.bb_bubble_begin(h, durationNs(expected), C.uint64_t(freeMem), C.bb_bubble_kind(kind))
+	})
+	runtime.KeepAlive(t)
+	return err
+}
+
+// End says the bubble ends now; started tasks are told to pause.
+func (t *Trainer) End() error {
+	h, err := t.handle()
+	if err != nil {
+		return err
+	}
+	err = call(func() C.bb_status { return C.bb_bubble_end(h) })
+	runtime.KeepAlive(t)
+	return err
+}
+
+// Bubble runs wait (typically a blocking receive) inside a bubble, ended even if wait panics.
+func (t *Trainer) Bubble(expected time.Duration, kind BubbleKind, wait func()) error {
+	if err := t.Begin(expected, kind, MemUnknown); err != nil {
+		return err
+	}
+	defer t.End()
+	wait()
+	return nil
+}
+
+// Iteration marks the start of a training iteration (numbers bubbles for the predictor).
+func (t *Trainer) Iteration() error {
+	h, err := t.handle()
+	if err != nil {
+		return err
+	}
+	err = call(func() C.bb_status { return C.bb_trainer_iteration(h) })
+	runtime.KeepAlive(t)
+	return err
+}
+
+// Stats returns the hub's counters.
+func (t *Trainer) Stats() (TrainerStats, error) {
+	h, err := t.handle()
+	if err != nil {
+		return TrainerStats{}, err
+	}
+	s := (*C.bb_trainer_stats_t)(C.calloc(1, C.size_t(unsafe.Sizeof(C.bb_trainer_stats_t{}))))
+	defer C.free(unsafe.Pointer(s))
+	s.size = C.uint32_t(unsafe.Sizeof(*s))
+	err = call(func() C.bb_status { return C.bb_trainer_stats(h, s) })
+	runtime.KeepAlive(t)
+	if err != nil {
+		return TrainerStats{}, err
+	}
+	return TrainerStats{
+		TasksAttached: uint32(s.tasks_attached), Bubbles: uint64(s.bubbles), BubbleNs: uint64(s.bubble_ns),
+		Starts: uint64(s.starts), Pauses: uint64(s.pauses), Wakes: uint64(s.wakes),
+		TaskNsInBubbles: uint64(s.task_ns_in_bubbles), TaskNsOutside: uint64(s.task_ns_outside),
+		Steps: uint64(s.steps), StartLatencyP50Ns: uint64(s.start_latency_p50_ns),
+		StartLatencyP99Ns: uint64(s.start_latency_p99_ns), PauseLatencyP50Ns: uint64(s.pause_latency_p50_ns),
+		PauseLatencyP99Ns: uint64(s.pause_latency_p99_ns), TasksReclaimed: uint64(s.tasks_reclaimed),
+		TasksBad: uint64(s.tasks_bad), EventsDropped: uint64(s.events_dropped),
+	}, nil
+}
+
+// Tasks lists the tasks attached now.
+func (t *Trainer) Tasks() ([]TaskInfo, error) {
+	h, err := t.handle()
+	if err != nil {
+		return nil, err
+	}
+	defer runtime.KeepAlive(t)
+	var count C.size_t
+	if err := call(func() C.bb_status { return C.bb_trainer_tasks(h, nil, 0, &count) }); err != nil {
+		return nil, err
+	}
+	for {
+		// Room for tasks that attach between the two calls. C memory: C writes into it.
+		n := count + 4
+		raw := (*C.bb_task_info_t)(C.calloc(n, C.size_t(unsafe.Sizeof(C.bb_task_info_t{}))))
+		if raw == nil {
+			return nil, &Error{Status: ErrNoMemory, Message: "out of memory listing tasks"}
+		}
+		infos := unsafe.Slice(raw, int(n))
+		for i := range infos {
+			infos[i].size = C.uint32_t(unsafe.Sizeof(infos[i]))
+		}
+		err := call(func() C.bb_status { return C.bb_trainer_tasks(h, raw, n, &count) })
+		if err == nil && count <= n {
+			out := make([]TaskInfo, int(count))
+			for i := range out {
+				r := &infos[i]
+				out[i] = TaskInfo{ID: uint64(r.id), Slot: uint32(r.slot), Name: cArrayString(r.name[:]),
+					PID: int32(r.pid), Priority: int32(r.priority), MemNeed: uint64(r.mem_need),
+					MinStepNs: uint64(r.min_step_ns), Steps: uint64(r.steps), StepNs: uint64(r.step_ns),
+					Running: r.running != 0, Bad: r.bad != 0}
+			}
+			C.free(unsafe.Pointer(raw))
+			return out, nil
+		}
+		C.free(unsafe.Pointer(raw))
+		if err != nil {
+			return nil, err
+		}
+	}
+}
+
+// StopTask tells one task (by TaskInfo.ID) to stop; it finishes and detaches.
+func (t *Trainer) StopTask(id uint64) error {
+	h, err := t.handle()
+	if err != nil {
+		return err
+	}
+	err = call(func() C.bb_status { return C.bb_trainer_stop_task(h, C.uint64_t(id)) })
+	runtime.KeepAlive(t)
+	return err
+}
+
+// cArrayString reads a NUL-terminated name, bounded by its array even if the NUL is missing.
+func cArrayString(a []C.char) string {
+	b := make([]byte, 0, len(a))
+	for _, c := range a {
+		if c == 0 {
+			break
+		}
+		b = append(b, byte(c))
+	}
+	return string(b)
+}

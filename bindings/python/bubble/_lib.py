@@ -1,0 +1,152 @@
+"""Loads libbubble and declares the C ABI of bubble.h for ctypes.
+
+Every struct here mirrors bubble.h field for field; tests/test_layout.py compares sizes and
+offsets with what a C compiler computes from the header, so the two cannot drift silently.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+from ctypes import (CFUNCTYPE, POINTER, Structure, c_char, c_char_p, c_int, c_int32, c_int64,
+                    c_size_t, c_uint32, c_uint64, c_void_p)
+from pathlib import Path
+
+BB_NAME_MAX = 47
+BB_MAX_SLOTS_LIMIT = 256
+MEM_UNKNOWN = (1 << 64) - 1
+UINT64_MAX = (1 << 64) - 1
+UINT32_MAX = (1 << 32) - 1
+STEP_CONTINUE = 0
+STEP_DONE = 1
+
+
+class TrainerOptions(Structure):
+    _fields_ = [("size", c_uint32), ("max_slots", c_uint32), ("max_running", c_uint32),
+                ("event_capacity", c_uint32), ("runtime_dir", c_char_p),
+                ("allow_uid", c_uint32), ("reserved0_", c_uint32)]
+
+
+class TrainerStatsC(Structure):
+    _fields_ = [("size", c_uint32), ("tasks_attached", c_uint32), ("bubbles", c_uint64),
+                ("bubble_ns", c_uint64), ("starts", c_uint64), ("pauses", c_uint64),
+                ("wakes", c_uint64), ("task_ns_in_bubbles", c_uint64),
+                ("task_ns_outside", c_uint64), ("steps", c_uint64),
+                ("start_latency_p50_ns", c_uint64), ("start_latency_p99_ns", c_uint64),
+                ("pause_latency_p50_ns", c_uint64), ("pause_latency_p99_ns", c_uint64),
+                ("tasks_reclaimed", c_uint64), ("tasks_bad", c_uint64),
+                ("events_dropped", c_uint64)]
+
+
+class TaskInfoC(Structure):
+    _fields_ = [("size", c_uint32), ("slot", c_uint32), ("id", c_uint64), ("pid", c_int32),
+                ("priority", c_int32), ("mem_need", c_uint64), ("min_step_ns", c_uint64),
+                ("steps", c_uint64), ("step_ns", c_uint64), ("running", c_uint32),
+                ("bad", c_uint32), ("name", c_char * (BB_NAME_MAX + 1))]
+
+
+class TaskOptions(Structure):
+    _fields_ = [("size", c_uint32), ("priority", c_int32), ("mem_need", c_uint64),
+                ("min_step_ns", c_uint64), ("on_trainer_exit", c_uint32),
+                ("wake_mode", c_uint32), ("reattach_timeout_ns", c_uint64),
+                ("spin_ns", c_uint64), ("runtime_dir", c_char_p), ("wake_lead_ns", c_uint64)]
+
+
+class StartInfoC(Structure):
+    _fields_ = [("size", c_uint32), ("kind", c_uint32), ("bubble_seq", c_uint64),
+                ("begin_ns", c_uint64), ("deadline_ns", c_uint64), ("free_mem", c_uint64)]
+
+
+class StepInfoC(Structure):
+    _fields_ = [("size", c_uint32), ("kind", c_uint32), ("bubble_seq", c_uint64),
+                ("deadline_ns", c_uint64), ("time_left_ns", c_uint64),
+                ("est_step_ns", c_uint64), ("free_mem", c_uint64)]
+
+
+INIT_FN = CFUNCTYPE(c_int, c_void_p)
+STEP_FN = CFUNCTYPE(c_int, c_void_p, POINTER(StepInfoC))
+FINISH_FN = CFUNCTYPE(None, c_void_p, c_int)
+
+
+class TaskCallbacks(Structure):
+    _fields_ = [("size", c_uint32), ("reserved0_", c_uint32), ("user", c_void_p),
+                ("init", INIT_FN), ("step", STEP_FN), ("pause", INIT_FN), ("resume", INIT_FN),
+                ("finish", FINISH_FN)]
+
+
+STRUCTS = {
+    "bb_trainer_options_t": TrainerOptions, "bb_trainer_stats_t": TrainerStatsC,
+    "bb_task_info_t": TaskInfoC, "bb_task_options_t": TaskOptions,
+    "bb_start_info_t": StartInfoC, "bb_step_info_t": StepInfoC,
+    "bb_task_callbacks_t": TaskCallbacks,
+}
+
+_trainer_h = c_void_p
+_task_h = c_void_p
+
+# name: (restype, argtypes)
+_SIGNATURES = {
+    "bb_status_name": (c_char_p, [c_int]),
+    "bb_status_str": (c_char_p, [c_int]),
+    "bb_last_error": (c_char_p, []),
+    "bb_version": (c_char_p, []),
+    "bb_now_ns": (c_uint64, []),
+    "bb_trainer_options_init": (None, [POINTER(TrainerOptions)]),
+    "bb_trainer_open": (c_int, [c_char_p, c_uint32, POINTER(TrainerOptions),
+                                POINTER(_trainer_h)]),
+    "bb_trainer_close": (c_int, [_trainer_h]),
+    "bb_bubble_begin": (c_int, [_trainer_h, c_uint64, c_uint64, c_int]),
+    "bb_bubble_end": (c_int, [_trainer_h]),
+    "bb_trainer_iteration": (c_int, [_trainer_h]),
+    "bb_trainer_stats": (c_int, [_trainer_h, POINTER(TrainerStatsC)]),
+    "bb_trainer_tasks": (c_int, [_trainer_h, POINTER(TaskInfoC), c_size_t, POINTER(c_size_t)]),
+    "bb_trainer_stop_task": (c_int, [_trainer_h, c_uint64]),
+    "bb_task_options_init": (None, [POINTER(TaskOptions)]),
+    "bb_task_attach": (c_int, [c_char_p, c_uint32, c_char_p, POINTER(TaskOptions),
+                               POINTER(_task_h)]),
+    "bb_task_detach": (c_int, [_task_h]),
+    "bb_task_wait_start": (c_int, [_task_h, c_int64, POINTER(StartInfoC)]),
+    "bb_task_should_pause": (c_int, [_task_h]),
+    "bb_task_ack_pause": (c_int, [_task_h]),
+    "bb_task_report_step": (c_int, [_task_h, c_uint64]),
+    "bb_task_time_left": (c_int, [_task_h, POINTER(c_uint64), POINTER(c_uint64)]),
+    "bb_task_callbacks_init": (None, [POINTER(TaskCallbacks)]),
+    "bb_task_run": (c_int, [_task_h, POINTER(TaskCallbacks)]),
+}
+
+
+def _candidates() -> list[str]:
+    """Where to look, in order: $BUBBLE_LIBRARY, next to the package, the system loader."""
+    env = os.environ.get("BUBBLE_LIBRARY")
+    if env:
+        # An explicit choice must not silently fall back to another copy of the library.
+        return [env]
+    here = Path(__file__).resolve().parent
+    found = [str(p) for name in ("libbubble.so", "libbubble.so.0")
+             for p in (here / name, here.parent / name) if p.exists()]
+    system = ctypes.util.find_library("bubble")
+    return found + [system or "libbubble.so.0", "libbubble.so"]
+
+
+def _load() -> ctypes.CDLL:
+    errors = []
+    for path in _candidates():
+        try:
+            lib = ctypes.CDLL(path)
+            break
+        except OSError as exc:
+            errors.append(f"{path}: {exc}")
+    else:
+        raise ImportError(
+            "libbubble could not be loaded (" + "; ".join(errors) + "). Set BUBBLE_LIBRARY to "
+            "the path of libbubble.so, copy it next to the bubble package, or install it where "
+            "the system loader finds it.")
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = argtypes
+    return lib
+
+
+lib = _load()
+path = lib._name

@@ -1,0 +1,230 @@
+"""The side-task side: attach to a hub, then either subclass SideTask (the runtime drives the
+loop) or run your own loop with wait_start / should_pause / ack_pause."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import enum
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+from . import _lib
+from ._lib import lib
+from .errors import BubbleError, CallbackFailed, Status, check, error_for
+from .trainer import BubbleKind
+
+
+@dataclass(frozen=True)
+class StartInfo:
+    """Why the task was started: the bubble it runs in."""
+    bubble_seq: int
+    kind: BubbleKind
+    begin_ns: int
+    deadline_ns: int  # 0 if unknown
+    free_mem: int | None  # None if unknown
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    bubble_seq: int
+    kind: BubbleKind
+    deadline_ns: int  # 0 if unknown
+    time_left_ns: int | None  # None if unknown
+    est_step_ns: int  # 0 before the first step
+    free_mem: int | None
+
+
+class Outcome(enum.Enum):
+    """How Task.run ended when nothing failed."""
+    FINISHED = "finished"          # step() said the work is done
+    STOPPED = "stopped"            # the trainer (or agent) told the task to stop
+    TRAINER_GONE = "trainer_gone"  # the trainer closed its hub or exited
+
+
+class OnTrainerExit(enum.IntEnum):
+    RETURN = 0  # calls end with TrainerGone
+    WAIT = 1    # wait for the trainer to reopen the hub, then re-attach
+
+
+class WakeMode(enum.IntEnum):
+    """How a task waits for its next start."""
+    PREDICTIVE = 0  # sleep, and spin from wake_lead before the predicted next bubble
+    SLEEP = 1       # spin briefly, then sleep: least CPU, a wake-up's latency
+    SPIN = 2        # spin all the time: lowest latency, a whole core
+
+
+class SideTask:
+    """Subclass and override step() (and any of the others); pass an instance to Task.run.
+
+    step() returns True once the work is finished; anything else means "more to do". The
+    runtime calls it only inside bubbles, while the measured step time fits. An exception in
+    any method ends the run: the task reports FAILED and Task.run re-raises the exception.
+    """
+
+    def init(self) -> None: ...
+    def step(self, info: StepInfo) -> bool | None: raise NotImplementedError
+    def pause(self) -> None: ...
+    def resume(self) -> None: ...
+    def finish(self, status: Status) -> None: ...
+
+
+def _unknown_none(value: int) -> int | None:
+    return None if value == _lib.UINT64_MAX else value
+
+
+class Task:
+    """A side task's attachment to one hub. Belongs to one thread at a time."""
+
+    def __init__(self, job_id: str, rank: int, name: str, *, priority: int = 0,
+                 mem_need: int = 0, min_step_ns: int = 0,
+                 on_trainer_exit: OnTrainerExit = OnTrainerExit.RETURN,
+                 reattach_timeout: float | None = None, spin_ns: int | None = None,
+                 wake_mode: WakeMode = WakeMode.PREDICTIVE, wake_lead_ns: int | None = None,
+                 runtime_dir: str | os.PathLike[str] | None = None) -> None:
+        opts = _lib.TaskOptions()
+        lib.bb_task_options_init(ctypes.byref(opts))
+        opts.priority = priority
+        opts.mem_need = mem_need
+        opts.min_step_ns = min_step_ns
+        opts.on_trainer_exit = int(on_trainer_exit)
+        if reattach_timeout is not None:
+            opts.reattach_timeout_ns = int(reattach_timeout * 1e9)
+        if spin_ns is not None:
+            opts.spin_ns = spin_ns
+        opts.wake_mode = int(wake_mode)
+        if wake_lead_ns is not None:
+            opts.wake_lead_ns = wake_lead_ns
+        if runtime_dir is not None:
+            opts.runtime_dir = os.fsencode(runtime_dir)
+        handle = ctypes.c_void_p()
+        check(lib.bb_task_attach(job_id.encode(), rank, name.encode(), ctypes.byref(opts),
+                                 ctypes.byref(handle)))
+        self._h: ctypes.c_void_p | None = handle
+        self.name = name
+
+    @property
+    def _handle(self) -> ctypes.c_void_p:
+        if self._h is None:
+            raise ValueError("the task is detached; attach a new Task")
+        return self._h
+
+    def detach(self) -> None:
+        """Acks any pending pause and releases the slot. Safe to call twice."""
+        h, self._h = self._h, None
+        if h is not None:
+            check(lib.bb_task_detach(h))
+
+    close = detach
+
+    def __enter__(self) -> "Task":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def __del__(self) -> None:
+        if getattr(self, "_h", None) is not None:
+            with contextlib.suppress(Exception):
+                self.detach()
+
+    # ---- iterative -------------------------------------------------------------------------
+
+    def run(self, side_task: SideTask) -> Outcome:
+        """Hands the loop to the runtime until the work is done, the task is stopped or the
+        trainer leaves. Re-raises whatever a SideTask method raised."""
+        raised: list[BaseException] = []
+
+        def guard(fn, *args) -> int:
+            if raised:
+                return -1
+            try:
+                fn(*args)
+                return 0
+            except BaseException as exc:  # noqa: BLE001 - carried across C and re-raised
+                raised.append(exc)
+                return -1
+
+        def step(_user, info_p) -> int:
+            if raised:
+                return -1
+            c = info_p.contents
+            info = StepInfo(c.bubble_seq, BubbleKind(c.kind) if c.kind < 4 else BubbleKind.OTHER,
+                            c.deadline_ns, _unknown_none(c.time_left_ns), c.est_step_ns,
+                            _unknown_none(c.free_mem))
+            try:
+                return _lib.STEP_DONE if side_task.step(info) is True else _lib.STEP_CONTINUE
+            except BaseException as exc:  # noqa: BLE001
+                raised.append(exc)
+                return -1
+
+        def finish(_user, status) -> None:
+            with contextlib.suppress(ValueError):
+                status = Status(status)
+            guard(side_task.finish, status)
+
+        # The CFUNCTYPE objects must outlive bb_task_run: they are held in locals until it returns.
+        cbs = _lib.TaskCallbacks()
+        lib.bb_task_callbacks_init(ctypes.byref(cbs))
+        cbs.init = _lib.INIT_FN(lambda _u: guard(side_task.init))
+        cbs.step = _lib.STEP_FN(step)
+        cbs.pause = _lib.INIT_FN(lambda _u: guard(side_task.pause))
+        cbs.resume = _lib.INIT_FN(lambda _u: guard(side_task.resume))
+        cbs.finish = _lib.FINISH_FN(finish)
+        status = lib.bb_task_run(self._handle, ctypes.byref(cbs))
+        if raised:
+            raise raised[0]
+        if status == Status.OK:
+            return Outcome.FINISHED
+        if status == Status.E_STOPPED:
+            return Outcome.STOPPED
+        if status == Status.E_TRAINER_GONE:
+            return Outcome.TRAINER_GONE
+        if status == Status.E_CALLBACK:
+            raise CallbackFailed("a side-task callback reported failure")
+        raise error_for(status)
+
+    # ---- imperative ------------------------------------------------------------------------
+
+    def wait_start(self, timeout: float | None = None) -> StartInfo | None:
+        """Blocks until the trainer starts this task in a bubble; None after `timeout` seconds.
+        Raises Stopped when told to stop and TrainerGone when the trainer left."""
+        out = _lib.StartInfoC(size=ctypes.sizeof(_lib.StartInfoC))
+        timeout_ns = -1 if timeout is None else max(0, int(timeout * 1e9))
+        status = lib.bb_task_wait_start(self._handle, timeout_ns, ctypes.byref(out))
+        if status == Status.E_TIMEOUT:
+            return None
+        check(status)
+        return StartInfo(out.bubble_seq, BubbleKind(out.kind) if out.kind < 4 else BubbleKind.OTHER,
+                         out.begin_ns, out.deadline_ns, _unknown_none(out.free_mem))
+
+    def should_pause(self) -> bool:
+        """True once the bubble ended or the task was told to stop. One shared-memory load."""
+        return lib.bb_task_should_pause(self._handle) != 0
+
+    def ack_pause(self) -> None:
+        """The task stopped its device work for this bubble."""
+        check(lib.bb_task_ack_pause(self._handle))
+
+    def report_step(self, step_ns: int) -> None:
+        check(lib.bb_task_report_step(self._handle, step_ns))
+
+    def time_left(self) -> tuple[int | None, int]:
+        """(ns left in the current bubble or None if unknown, estimated step ns)."""
+        left, est = ctypes.c_uint64(), ctypes.c_uint64()
+        check(lib.bb_task_time_left(self._handle, ctypes.byref(left), ctypes.byref(est)))
+        return _unknown_none(left.value), est.value
+
+    def bubbles(self) -> Iterator[StartInfo]:
+        """`for start in task.bubbles(): ...` runs the body once per bubble and acks the pause
+        after it; the loop ends when the task is told to stop."""
+        while True:
+            try:
+                start = self.wait_start()
+            except BubbleError as exc:
+                if exc.status == Status.E_STOPPED:
+                    return
+                raise
+            assert start is not None
+            yield start
+            self.ack_pause()

@@ -1,0 +1,138 @@
+"""Reports the waits of torch.distributed point-to-point receives as bubbles.
+
+A pipeline stage spends its bubbles blocked in a receive: the activations of the previous
+stage or the gradients of the next one have not arrived yet. P2PBubbles wraps
+torch.distributed.recv and irecv (the Work's wait()) so that every receive that really has to
+wait becomes a bubble on the stage's Trainer; the model and the schedule stay unchanged:
+
+    with bubble.Trainer(job, rank) as trainer, P2PBubbles(trainer) as hooks:
+        for it in range(iterations):
+            hooks.iteration()
+            run_1f1b_schedule(...)          # calls dist.recv / dist.irecv as usual
+
+Only code that calls them as torch.distributed.recv/irecv is covered; a name imported with
+`from torch.distributed import recv` before install() keeps the unwrapped function.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch.distributed as dist
+
+from . import now_ns
+from .trainer import BubbleKind, Trainer
+
+
+@dataclass(frozen=True)
+class BubbleRecord:
+    seq: int          # the hub's bubble number (the n-th bubble begun on this trainer)
+    kind: BubbleKind
+    begin_ns: int     # just before bb_bubble_begin, CLOCK_MONOTONIC
+    end_ns: int       # just after bb_bubble_end
+
+
+class _BubbleWork:
+    """An irecv Work whose wait() is reported as a bubble; everything else is passed through."""
+
+    def __init__(self, work: Any, hooks: "P2PBubbles") -> None:
+        self._work = work
+        self._hooks = hooks
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        return self._hooks._wait(self._work, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class P2PBubbles:
+    """Wraps torch.distributed.recv/irecv while installed (use it as a context manager).
+
+    expected: the bubble length to announce in seconds (None: the library predicts it from
+    the same bubble of earlier iterations, numbered from each iteration() call).
+    record: keep a BubbleRecord per bubble in `records` (for tests and traces).
+    """
+
+    def __init__(self, trainer: Trainer, *, expected: float | None = None,
+                 free_mem: int | None = None, record: bool = False) -> None:
+        self.trainer = trainer
+        self.expected = expected
+        self.free_mem = free_mem
+        self.kind = BubbleKind.STEADY
+        self.records: list[BubbleRecord] | None = [] if record else None
+        self.bubbles = 0
+        self._saved: dict[str, Any] | None = None
+
+    # ---- installation -----------------------------------------------------------------------
+
+    def install(self) -> None:
+        if self._saved is not None:
+            raise RuntimeError("P2PBubbles is already installed")
+        self._saved = {"recv": dist.recv, "irecv": dist.irecv}
+        orig_recv, orig_irecv = self._saved["recv"], self._saved["irecv"]
+
+        def recv(tensor, src=None, group=None, tag=0):
+            if src is None:  # receive-from-any has no irecv form: report the whole call
+                with self._bubble():
+                    return orig_recv(tensor, src, group, tag)
+            work = orig_irecv(tensor, src, group, tag)
+            if work is None:  # this rank is not in the group, as dist.recv reports it
+                return -1
+            self._wait(work)
+            return src
+
+        def irecv(tensor, src=None, group=None, tag=0):
+            work = orig_irecv(tensor, src, group, tag)
+            return None if work is None else _BubbleWork(work, self)
+
+        dist.recv, dist.irecv = recv, irecv
+
+    def uninstall(self) -> None:
+        if self._saved is not None:
+            dist.recv, dist.irecv = self._saved["recv"], self._saved["irecv"]
+            self._saved = None
+
+    def __enter__(self) -> "P2PBubbles":
+        self.install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.uninstall()
+
+    # ---- schedule annotations ----------------------------------------------------------------
+
+    def iteration(self) -> None:
+        """Marks the start of a training iteration (bubbles are predicted per position)."""
+        self.trainer.iteration()
+
+    @contextlib.contextmanager
+    def phase(self, kind: BubbleKind) -> Iterator[None]:
+        """Waits inside this block are reported as bubbles of `kind` (warm-up, cool-down)."""
+        saved, self.kind = self.kind, kind
+        try:
+            yield
+        finally:
+            self.kind = saved
+
+    # ---- the hook ---------------------------------------------------------------------------
+
+    def _wait(self, work: Any, *args: Any, **kwargs: Any) -> Any:
+        if work.is_completed():  # the data is already here: no idle time to hand out
+            return work.wait(*args, **kwargs)
+        with self._bubble():
+            return work.wait(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _bubble(self) -> Iterator[None]:
+        kind = self.kind
+        begin = now_ns()
+        self.trainer.bubble_begin(self.expected, free_mem=self.free_mem, kind=kind)
+        self.bubbles += 1
+        try:
+            yield
+        finally:
+            self.trainer.bubble_end()
+            if self.records is not None:
+                self.records.append(BubbleRecord(self.bubbles, kind, begin, now_ns()))

@@ -1,0 +1,167 @@
+"""The trainer side: a hub per rank, and the bubble markers a training loop calls."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import enum
+import os
+from dataclasses import dataclass, fields
+from typing import Iterator
+
+from . import _lib
+from ._lib import lib
+from .errors import check
+
+
+class BubbleKind(enum.IntEnum):
+    OTHER = 0
+    WARMUP = 1    # pipeline fill: before the stage's first forward
+    STEADY = 2    # a wait on a point-to-point transfer in the steady state
+    COOLDOWN = 3  # pipeline drain: after the stage's last backward
+
+
+@dataclass(frozen=True)
+class TrainerStats:
+    tasks_attached: int
+    bubbles: int
+    bubble_ns: int
+    starts: int
+    pauses: int
+    wakes: int
+    task_ns_in_bubbles: int
+    task_ns_outside: int
+    steps: int
+    start_latency_p50_ns: int
+    start_latency_p99_ns: int
+    pause_latency_p50_ns: int
+    pause_latency_p99_ns: int
+    tasks_reclaimed: int
+    tasks_bad: int
+    events_dropped: int
+
+
+@dataclass(frozen=True)
+class TaskInfo:
+    id: int
+    slot: int
+    name: str
+    pid: int
+    priority: int
+    mem_need: int
+    min_step_ns: int
+    steps: int
+    step_ns: int
+    running: bool
+    bad: bool
+
+
+def _ns(seconds: float | None) -> int:
+    return 0 if seconds is None else max(0, int(seconds * 1e9))
+
+
+class Trainer:
+    """Owns the hub of one trainer rank. Close it (or use `with`) to stop its tasks.
+
+    bubble_begin/bubble_end never wait on a side task; call them from the training loop's
+    thread only.
+    """
+
+    def __init__(self, job_id: str, rank: int = 0, *, max_slots: int | None = None,
+                 max_running: int | None = None, event_capacity: int | None = None,
+                 runtime_dir: str | os.PathLike[str] | None = None,
+                 allow_uid: int | None = None) -> None:
+        opts = _lib.TrainerOptions()
+        lib.bb_trainer_options_init(ctypes.byref(opts))
+        if max_slots is not None:
+            opts.max_slots = max_slots
+        if max_running is not None:
+            opts.max_running = max_running
+        if event_capacity is not None:
+            opts.event_capacity = event_capacity
+        if runtime_dir is not None:
+            opts.runtime_dir = os.fsencode(runtime_dir)
+        if allow_uid is not None:
+            opts.allow_uid = allow_uid
+        handle = ctypes.c_void_p()
+        check(lib.bb_trainer_open(job_id.encode(), rank, ctypes.byref(opts),
+                                  ctypes.byref(handle)))
+        self._h: ctypes.c_void_p | None = handle
+        self.job_id = job_id
+        self.rank = rank
+
+    @property
+    def _handle(self) -> ctypes.c_void_p:
+        if self._h is None:
+            raise ValueError("the trainer is closed; open a new Trainer")
+        return self._h
+
+    def close(self) -> None:
+        """Stops every attached task and removes the hub. Safe to call twice."""
+        h, self._h = self._h, None
+        if h is not None:
+            check(lib.bb_trainer_close(h))
+
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # A backstop only: a forgotten trainer must not leave its hub behind for the next run.
+        if getattr(self, "_h", None) is not None:
+            with contextlib.suppress(Exception):
+                self.close()
+
+    def bubble_begin(self, expected: float | None = None, *, free_mem: int | None = None,
+                     kind: BubbleKind = BubbleKind.OTHER) -> None:
+        """A bubble starts now. expected: its length in seconds (None: predicted);
+        free_mem: device bytes side tasks may use (None: unknown)."""
+        check(lib.bb_bubble_begin(self._handle, _ns(expected),
+                                  _lib.MEM_UNKNOWN if free_mem is None else free_mem, int(kind)))
+
+    def bubble_end(self) -> None:
+        check(lib.bb_bubble_end(self._handle))
+
+    @contextlib.contextmanager
+    def bubble(self, expected: float | None = None, *, free_mem: int | None = None,
+               kind: BubbleKind = BubbleKind.OTHER) -> Iterator[None]:
+        """`with trainer.bubble(): wait()` marks the wait as a bubble, ended even on error."""
+        self.bubble_begin(expected, free_mem=free_mem, kind=kind)
+        try:
+            yield
+        finally:
+            self.bubble_end()
+
+    def iteration(self) -> None:
+        """Marks the start of a training iteration (numbers bubbles for the predictor)."""
+        check(lib.bb_trainer_iteration(self._handle))
+
+    def stats(self) -> TrainerStats:
+        out = _lib.TrainerStatsC(size=ctypes.sizeof(_lib.TrainerStatsC))
+        check(lib.bb_trainer_stats(self._handle, ctypes.byref(out)))
+        return TrainerStats(**{f.name: getattr(out, f.name) for f in fields(TrainerStats)})
+
+    def tasks(self) -> list[TaskInfo]:
+        """The tasks attached now."""
+        count = ctypes.c_size_t(0)
+        check(lib.bb_trainer_tasks(self._handle, None, 0, ctypes.byref(count)))
+        while True:
+            cap = count.value + 4  # room for tasks that attach between the two calls
+            arr = (_lib.TaskInfoC * cap)()
+            for item in arr:
+                item.size = ctypes.sizeof(_lib.TaskInfoC)
+            check(lib.bb_trainer_tasks(self._handle, arr, cap, ctypes.byref(count)))
+            if count.value <= cap:
+                return [_task_info(arr[i]) for i in range(count.value)]
+
+    def stop_task(self, task: int | TaskInfo) -> None:
+        """Tells one task to stop; it finishes and detaches."""
+        task_id = task.id if isinstance(task, TaskInfo) else task
+        check(lib.bb_trainer_stop_task(self._handle, task_id))
+
+
+def _task_info(c: _lib.TaskInfoC) -> TaskInfo:
+    return TaskInfo(id=c.id, slot=c.slot, name=c.name.decode(errors="replace"), pid=c.pid,
+                    priority=c.priority, mem_need=c.mem_need, min_step_ns=c.min_step_ns,
+                    steps=c.steps, step_ns=c.step_ns, running=bool(c.running), bad=bool(c.bad))

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+import bubble
+from bubble._lib import lib
+
+
+def test_status_enum_matches_the_library_names():
+    for status in bubble.Status:
+        assert lib.bb_status_name(int(status)).decode() == f"BB_{status.name}"
+        assert status.description
+
+
+def test_attach_without_a_trainer_raises_hub_not_found_with_the_library_message(job):
+    with pytest.raises(bubble.HubNotFound) as info:
+        bubble.Task(job, 0, "orphan")
+    assert info.value.status is bubble.Status.E_NOT_FOUND
+    assert info.value.message
+    assert "BB_E_NOT_FOUND" in str(info.value)
+    assert isinstance(info.value, bubble.BubbleError)
+
+
+def test_a_second_trainer_on_one_hub_raises_busy(job):
+    with bubble.Trainer(job, 0):
+        with pytest.raises(bubble.Busy) as info:
+            bubble.Trainer(job, 0)
+        assert info.value.message
+
+
+def test_a_bad_job_id_raises_invalid_argument():
+    with pytest.raises(bubble.InvalidArgument):
+        bubble.Trainer("spaces are not allowed", 0)
+    with pytest.raises(ValueError):  # InvalidArgument is also a ValueError
+        bubble.Trainer("", 0)
+
+
+def test_a_closed_trainer_refuses_calls_and_closing_twice_is_fine(job):
+    t = bubble.Trainer(job, 0)
+    t.close()
+    t.close()
+    with pytest.raises(ValueError, match="closed"):
+        t.bubble_begin()
+
+
+def test_a_missing_library_is_an_import_error_that_says_what_to_do():
+    env = dict(os.environ, BUBBLE_LIBRARY="/nonexistent/libbubble.so")
+    out = subprocess.run([sys.executable, "-c", "import bubble"], env=env, capture_output=True,
+                         text=True)
+    assert out.returncode != 0
+    assert "ImportError" in out.stderr and "BUBBLE_LIBRARY" in out.stderr
+
+
+def test_library_version_and_clock():
+    assert bubble.library_version() == "0.1.0"
+    a = bubble.now_ns()
+    assert bubble.now_ns() >= a > 0

@@ -1,0 +1,142 @@
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import bubble
+from conftest import Background, bubble_until, eventually
+
+
+class Counting(bubble.SideTask):
+    def __init__(self, done_after: int | None = None) -> None:
+        self.calls: list[str] = []
+        self.steps = 0
+        self.seqs: set[int] = set()
+        self.done_after = done_after
+        self.finished_with: bubble.Status | None = None
+
+    def init(self) -> None:
+        self.calls.append("init")
+
+    def step(self, info: bubble.StepInfo) -> bool:
+        self.steps += 1
+        self.seqs.add(info.bubble_seq)
+        return self.steps == self.done_after
+
+    def pause(self) -> None:
+        self.calls.append("pause")
+
+    def resume(self) -> None:
+        self.calls.append("resume")
+
+    def finish(self, status: bubble.Status) -> None:
+        self.finished_with = status
+
+
+def run_in_background(job: str, name: str, side_task: bubble.SideTask) -> Background:
+    def go():
+        with bubble.Task(job, 0, name) as task:
+            return task.run(side_task)
+    return Background(go)
+
+
+def test_imperative_loop_follows_begin_and_end(job):
+    with bubble.Trainer(job, 0) as trainer, bubble.Task(job, 0, "imperative") as task:
+        assert task.wait_start(timeout=0.001) is None
+        waiter = Background(lambda: task.wait_start(timeout=20))
+        trainer.bubble_begin(0.05, kind=bubble.BubbleKind.STEADY)
+        start = waiter.join_result()
+        assert start.kind is bubble.BubbleKind.STEADY
+        assert not task.should_pause()
+        task.report_step(1_000_000)
+        trainer.bubble_end()
+        assert eventually(task.should_pause)
+        task.ack_pause()
+        assert trainer.stats().bubbles == 1
+        # Step reports reach the trainer's counters through its service thread.
+        assert eventually(lambda: trainer.stats().steps == 1)
+
+
+def test_side_task_steps_in_bubbles_pauses_after_them_and_stops(job):
+    side = Counting()
+    with bubble.Trainer(job, 0) as trainer:
+        runner = run_in_background(job, "iterative", side)
+        assert eventually(lambda: len(trainer.tasks()) == 1 and "init" in side.calls)
+        for i in range(3):
+            before = side.steps
+            assert bubble_until(trainer, lambda: side.steps > before,
+                                kind=bubble.BubbleKind.STEADY)
+            assert eventually(lambda: side.calls.count("pause") == i + 1)
+        assert side.calls.count("resume") == 3
+        assert len(side.seqs) == 3
+        trainer.stop_task(trainer.tasks()[0])
+        assert runner.join_result() is bubble.Outcome.STOPPED
+        assert side.finished_with is bubble.Status.E_STOPPED
+
+
+def test_step_returning_true_finishes_the_run(job):
+    side = Counting(done_after=2)
+    with bubble.Trainer(job, 0) as trainer:
+        runner = run_in_background(job, "finisher", side)
+        assert eventually(lambda: len(trainer.tasks()) == 1)
+        trainer.bubble_begin(0.2)
+        assert runner.join_result() is bubble.Outcome.FINISHED
+        trainer.bubble_end()
+    assert side.steps == 2
+    assert side.finished_with is bubble.Status.OK
+
+
+def test_an_exception_in_step_is_re_raised_by_run(job):
+    class Broken(bubble.SideTask):
+        def step(self, info):
+            raise KeyError("lost")
+
+    with bubble.Trainer(job, 0) as trainer:
+        runner = run_in_background(job, "broken", Broken())
+        assert eventually(lambda: len(trainer.tasks()) == 1)
+        trainer.bubble_begin(0.05)
+        with pytest.raises(KeyError, match="lost"):
+            runner.join_result()
+        trainer.bubble_end()
+
+
+def test_bubbles_iterator_ends_when_the_task_is_stopped(job):
+    seen: list[int] = []
+    with bubble.Trainer(job, 0) as trainer:
+        def loop():
+            with bubble.Task(job, 0, "looper") as task:
+                for start in task.bubbles():
+                    seen.append(start.bubble_seq)
+                    while not task.should_pause():
+                        pass
+        runner = Background(loop)
+        assert eventually(lambda: len(trainer.tasks()) == 1)
+        for n in range(1, 3):
+            assert bubble_until(trainer, lambda: len(seen) == n)
+        trainer.stop_task(trainer.tasks()[0].id)
+        runner.join_result()
+    assert len(set(seen)) == 2
+
+
+def test_tasks_lists_attached_tasks_and_detach_removes_them(job):
+    with bubble.Trainer(job, 0) as trainer:
+        with bubble.Task(job, 0, "alpha", priority=5, mem_need=4096):
+            with bubble.Task(job, 0, "beta"):
+                # The trainer's service thread lists a task shortly after its attach returns.
+                assert eventually(lambda: len(trainer.tasks()) == 2)
+                infos = {t.name: t for t in trainer.tasks()}
+                assert set(infos) == {"alpha", "beta"}
+                assert infos["alpha"].priority == 5
+                assert infos["alpha"].mem_need == 4096
+                assert infos["alpha"].id != infos["beta"].id
+            assert eventually(lambda: [t.name for t in trainer.tasks()] == ["alpha"])
+
+
+def test_closing_the_trainer_removes_the_hub(job):
+    with bubble.Trainer(job, 0):
+        pass
+    with pytest.raises(bubble.HubNotFound):
+        bubble.Task(job, 0, "late")
+    with bubble.Trainer(job, 0):  # the name is free again
+        pass

@@ -1,0 +1,234 @@
+use std::ptr::NonNull;
+use std::time::Duration;
+
+use bubble_sys as sys;
+
+use crate::error::{check, Result};
+use crate::{c_string, duration_ns};
+
+/// Where in the pipeline schedule a bubble sits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum BubbleKind {
+    #[default]
+    Other,
+    /// Pipeline fill: before the stage's first forward.
+    Warmup,
+    /// A wait on a point-to-point transfer in the steady state.
+    Steady,
+    /// Pipeline drain: after the stage's last backward.
+    Cooldown,
+}
+
+impl BubbleKind {
+    fn to_sys(self) -> sys::bb_bubble_kind {
+        match self {
+            BubbleKind::Other => sys::bb_bubble_kind::BB_BUBBLE_OTHER,
+            BubbleKind::Warmup => sys::bb_bubble_kind::BB_BUBBLE_WARMUP,
+            BubbleKind::Steady => sys::bb_bubble_kind::BB_BUBBLE_STEADY,
+            BubbleKind::Cooldown => sys::bb_bubble_kind::BB_BUBBLE_COOLDOWN,
+        }
+    }
+
+    pub(crate) fn from_raw(kind: u32) -> BubbleKind {
+        match kind {
+            1 => BubbleKind::Warmup,
+            2 => BubbleKind::Steady,
+            3 => BubbleKind::Cooldown,
+            _ => BubbleKind::Other,
+        }
+    }
+}
+
+/// How the hub is sized; `Default` gives the library's defaults.
+#[derive(Debug, Clone)]
+pub struct TrainerOptions {
+    pub max_slots: u32,
+    pub max_running: u32,
+    pub event_capacity: u32,
+    /// None: $BUBBLE_RUNTIME_DIR, else the library's default directory.
+    pub runtime_dir: Option<String>,
+    /// A second uid allowed to attach.
+    pub allow_uid: Option<u32>,
+}
+
+impl Default for TrainerOptions {
+    fn default() -> Self {
+        TrainerOptions { max_slots: 64, max_running: 1, event_capacity: 4096, runtime_dir: None, allow_uid: None }
+    }
+}
+
+pub type TrainerStats = sys::bb_trainer_stats_t;
+
+/// One attached side task, as the trainer sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskInfo {
+    pub id: u64,
+    pub slot: u32,
+    pub name: String,
+    pub pid: i32,
+    pub priority: i32,
+    pub mem_need: u64,
+    pub min_step_ns: u64,
+    pub steps: u64,
+    pub step_ns: u64,
+    pub running: bool,
+    pub bad: bool,
+}
+
+/// The hub of one trainer rank. Dropping it stops every attached task and removes the hub.
+#[derive(Debug)]
+pub struct Trainer {
+    raw: NonNull<sys::bb_trainer>,
+}
+
+// SAFETY: every trainer function may be called from any thread; begin/end, which must come
+// from one thread at a time, take `&mut self`.
+unsafe impl Send for Trainer {}
+unsafe impl Sync for Trainer {}
+
+impl Trainer {
+    /// Creates the hub of (job_id, rank). Fails with `Status::Busy` if a live trainer owns it.
+    pub fn open(job_id: &str, rank: u32, options: &TrainerOptions) -> Result<Trainer> {
+        let job = c_string("job id", job_id)?;
+        let dir = options.runtime_dir.as_deref().map(|d| c_string("runtime dir", d)).transpose()?;
+        // SAFETY: init fills every field of a struct of the right size.
+        let mut opts = unsafe {
+            let mut o = std::mem::MaybeUninit::<sys::bb_trainer_options_t>::uninit();
+            sys::bb_trainer_options_init(o.as_mut_ptr());
+            o.assume_init()
+        };
+        opts.max_slots = options.max_slots;
+        opts.max_running = options.max_running;
+        opts.event_capacity = options.event_capacity;
+        opts.runtime_dir = dir.as_ref().map_or(std::ptr::null(), |d| d.as_ptr());
+        if let Some(uid) = options.allow_uid {
+            opts.allow_uid = uid;
+        }
+        let mut out = std::ptr::null_mut();
+        // SAFETY: the strings outlive the call; out is a valid out-parameter.
+        check(unsafe { sys::bb_trainer_open(job.as_ptr(), rank, &opts, &mut out) })?;
+        Ok(Trainer { raw: NonNull::new(out).expect("bb_trainer_open returned OK and no handle") })
+    }
+
+    /// A bubble starts now. `expected`: its length (zero: predicted from earlier bubbles);
+    /// `free_mem`: device bytes side tasks may use (None: unknown).
+    pub fn begin(&mut self, expected: Duration, kind: BubbleKind, free_mem: Option<u64>) -> Result<()> {
+        let mem = free_mem.unwrap_or(sys::BB_MEM_UNKNOWN);
+        // SAFETY: the handle is live while self is.
+        check(unsafe { sys::bb_bubble_begin(self.raw.as_ptr(), duration_ns(expected), mem, kind.to_sys()) })
+    }
+
+    /// The bubble ends now; started tasks are told to pause.
+    pub fn end(&mut self) -> Result<()> {
+        // SAFETY: live handle.
+        check(unsafe { sys::bb_bubble_end(self.raw.as_ptr()) })
+    }
+
+    /// Begins a bubble that ends when the guard drops (so also on `?` and panics).
+    pub fn bubble(&mut self, expected: Duration, kind: BubbleKind) -> Result<BubbleGuard<'_>> {
+        self.begin(expected, kind, None)?;
+        Ok(BubbleGuard { trainer: self })
+    }
+
+    /// Marks the start of a training iteration (numbers bubbles for the predictor).
+    pub fn iteration(&mut self) -> Result<()> {
+        // SAFETY: live handle.
+        check(unsafe { sys::bb_trainer_iteration(self.raw.as_ptr()) })
+    }
+
+    pub fn stats(&self) -> Result<TrainerStats> {
+        // SAFETY: an all-zero stats struct is valid; size tells the library how much to fill.
+        let mut s: TrainerStats = unsafe { std::mem::zeroed() };
+        s.size = std::mem::size_of::<TrainerStats>() as u32;
+        // SAFETY: live handle, valid out-parameter.
+        check(unsafe { sys::bb_trainer_stats(self.raw.as_ptr(), &mut s) })?;
+        Ok(s)
+    }
+
+    /// The tasks attached now.
+    pub fn tasks(&self) -> Result<Vec<TaskInfo>> {
+        let mut count = 0usize;
+        // SAFETY: cap 0 with a NULL array only asks for the count.
+        check(unsafe { sys::bb_trainer_tasks(self.raw.as_ptr(), std::ptr::null_mut(), 0, &mut count) })?;
+        loop {
+            // Room for tasks that attach between the two calls.
+            let cap = count + 4;
+            // SAFETY: all-zero is a valid bb_task_info_t.
+            let mut proto: sys::bb_task_info_t = unsafe { std::mem::zeroed() };
+            proto.size = std::mem::size_of::<sys::bb_task_info_t>() as u32;
+            let mut raw = vec![proto; cap];
+            // SAFETY: raw holds cap initialised entries.
+            check(unsafe { sys::bb_trainer_tasks(self.raw.as_ptr(), raw.as_mut_ptr(), cap, &mut count) })?;
+            if count <= cap {
+                return Ok(raw[..count].iter().map(task_info).collect());
+            }
+        }
+    }
+
+    /// Tells one task (by `TaskInfo::id`) to stop; it finishes and detaches.
+    pub fn stop_task(&self, task_id: u64) -> Result<()> {
+        // SAFETY: live handle.
+        check(unsafe { sys::bb_trainer_stop_task(self.raw.as_ptr(), task_id) })
+    }
+
+    /// Closes now and reports the status, which `Drop` cannot.
+    pub fn close(self) -> Result<()> {
+        let raw = self.raw.as_ptr();
+        std::mem::forget(self);
+        // SAFETY: ownership moved out of self, which will not close it again.
+        check(unsafe { sys::bb_trainer_close(raw) })
+    }
+
+    pub fn as_raw(&self) -> sys::bb_trainer_h {
+        self.raw.as_ptr()
+    }
+}
+
+impl Drop for Trainer {
+    fn drop(&mut self) {
+        // SAFETY: the handle is closed exactly once, here or in close().
+        unsafe { sys::bb_trainer_close(self.raw.as_ptr()) };
+    }
+}
+
+/// Ends its bubble when dropped.
+#[must_use = "the bubble ends when the guard is dropped"]
+pub struct BubbleGuard<'a> {
+    trainer: &'a mut Trainer,
+}
+
+impl BubbleGuard<'_> {
+    /// Ends the bubble now and reports the status.
+    pub fn end(self) -> Result<()> {
+        let raw = self.trainer.raw.as_ptr();
+        std::mem::forget(self);
+        // SAFETY: live handle (borrowed).
+        check(unsafe { sys::bb_bubble_end(raw) })
+    }
+}
+
+impl Drop for BubbleGuard<'_> {
+    fn drop(&mut self) {
+        // SAFETY: live handle (borrowed).
+        unsafe { sys::bb_bubble_end(self.trainer.raw.as_ptr()) };
+    }
+}
+
+fn task_info(r: &sys::bb_task_info_t) -> TaskInfo {
+    // Bounded by the array even if a NUL were missing.
+    let bytes: Vec<u8> = r.name.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+    let name = String::from_utf8_lossy(&bytes).into_owned();
+    TaskInfo {
+        id: r.id,
+        slot: r.slot,
+        name,
+        pid: r.pid,
+        priority: r.priority,
+        mem_need: r.mem_need,
+        min_step_ns: r.min_step_ns,
+        steps: r.steps,
+        step_ns: r.step_ns,
+        running: r.running != 0,
+        bad: r.bad != 0,
+    }
+}

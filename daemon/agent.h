@@ -1,0 +1,194 @@
+// bubbled: the node agent. One libuv loop that
+//   - serves the control protocol on a Unix socket (control.cc),
+//   - watches the hub runtime directory and keeps a read-only observer per live hub (hubs.cc),
+//   - launches, places, supervises and re-adopts side tasks (tasks.cc),
+//   - enforces pause deadlines (enforcer.h) and serves Prometheus metrics (metrics.cc).
+// Idle (no live hub, no task), the loop has no active timer: it only waits on descriptors.
+#pragma once
+
+#include "core/observer.h"
+#include "daemon/enforcer.h"
+#include "daemon/proc.h"
+#include "daemon/store.h"
+#include "daemon/task.h"
+
+#include <uv.h>
+
+#include <deque>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace bb::daemon {
+
+struct AgentConfig {
+  std::string runtime_dir;  // hub sockets
+  std::string socket_path;  // control socket
+  std::string state_dir;    // database and logs
+  int metrics_port = 9477;  // -1 = off, 0 = any free port
+  std::set<uint32_t> allow_uids;
+  EnforceConfig enforce;
+  uint64_t check_interval_ns = 1'000'000;    // enforcement tick while tasks run
+  uint64_t sample_interval_ns = 100'000'000;  // event/metrics sampling while hubs live
+  uint64_t stop_timeout_ns = 5'000'000'000;   // graceful stop -> SIGTERM -> SIGKILL
+  uint32_t max_attempts = 10;                 // launches per task (re-placement included)
+  std::map<std::string, int> hub_gpu;         // JOB:RANK -> device; default: the rank
+  std::string self_exe;                       // for the launch wrapper
+  bool verbose = false;
+};
+
+class Agent;
+
+// One live (or recently gone) hub.
+struct Hub {
+  std::string name, job;
+  uint32_t rank = 0;
+  std::unique_ptr<core::HubObserver> obs;
+  uv_poll_t* poll = nullptr;
+  bool alive = false;
+  bool draining = false;
+  core::HubSnapshot snap;
+  uint64_t cursor = 0;
+  std::deque<core::Event> events;  // bounded history for traces and timelines
+  uint64_t lost = 0;
+  std::map<uint16_t, std::string> slot_names;
+  uint64_t rate_bubbles = 0, rate_ns = 0;
+  double bubbles_per_sec = 0;
+  uint64_t harvested_ns = 0;
+  std::map<uint64_t, uint64_t> task_harvest;  // hub task id -> ns_in_bubbles counted
+  std::map<uint64_t, EnforceState> enforce;   // hub task id -> escalation state
+  std::map<uint64_t, int64_t> task_rows;      // hub task id -> agent task id
+  int open_failures = 0;
+};
+
+// A task process the agent supervises (a child, or re-adopted through a pidfd after a restart).
+struct LiveTask {
+  Agent* agent = nullptr;
+  int64_t id = 0;
+  uv_process_t* proc = nullptr;
+  uv_poll_t* pidfd_poll = nullptr;
+  int pidfd = -1;
+  uv_timer_t* stop_timer = nullptr;
+  int stop_stage = 0;
+  bool killed_by_agent = false;
+  bool cancel = false;
+  bool replace = false;
+  bool exited = false;
+};
+
+class Agent {
+ public:
+  explicit Agent(AgentConfig cfg);
+  ~Agent();
+
+  // Opens the database, binds the sockets, scans hubs, re-adopts tasks. "" or an error.
+  std::string start(uv_loop_t* loop);
+  // Closes every handle; the loop then runs out. Tasks keep running (they are durable).
+  void shutdown();
+
+  const AgentConfig& config() const { return cfg_; }
+  uint16_t metrics_port() const { return metrics_port_; }
+
+  // --- used by control.cc / metrics.cc
+  void refresh_all();
+  std::string submit(const TaskSpec& spec, int64_t* id);
+  std::string cancel(int64_t id, std::string* done);
+  std::string drain(const std::string& hub, bool undo, std::string* done);
+  std::vector<TaskRow> tasks(bool all) const;
+  const TaskRow* task(int64_t id) const;
+  const std::map<std::string, std::unique_ptr<Hub>>& hubs() const { return hubs_; }
+  bool draining() const { return draining_; }
+  Store& store() { return store_; }
+  uint64_t granted_on(const std::string& hub) const;
+  std::string log_path(int64_t id, bool err) const;
+  void count_protocol_error() { ++protocol_errors_; }
+  void count_refused() { ++refused_clients_; }
+  std::string render_metrics();
+
+  // --- hubs.cc
+  void scan_hubs();
+  void on_hub_gone(Hub* hub, const char* why);
+  void update_timers();
+
+  // --- tasks.cc
+  void schedule();
+  void on_task_exit(LiveTask* live, ExitStatus status);
+  void on_stop_timer(LiveTask* live);
+
+ private:
+  friend struct HubCallbacks;
+  friend struct TaskCallbacks;
+
+  // hubs.cc
+  std::string start_hub_watch();
+  void try_open_hub(const std::string& job, uint32_t rank);
+  void refresh_hub(Hub* hub, uint64_t now);
+  void reconcile_tasks(Hub* hub);
+  void enforce_hub(Hub* hub, uint64_t now);
+  void close_hub_handles(Hub* hub);
+  int64_t match_task(Hub* hub, const core::TaskSnapshot& t);
+
+  // tasks.cc
+  void readopt_tasks();
+  void settle_dead_tasks();
+  std::string launch(TaskRow* row, Hub* hub);
+  void watch_pidfd(TaskRow* row);
+  void terminate(TaskRow* row, const std::string& why);
+  void signal_task(const TaskRow& row, int sig);
+  void record(const TaskRow* row, pid_t pid, const std::string& hub, const std::string& action,
+              const std::string& detail);
+  void save(const TaskRow& row);
+  void finish_row(TaskRow* row, const std::string& state, const std::string& message);
+  LiveTask* live(int64_t id);
+  void release_live(int64_t id);
+
+  // control.cc / metrics.cc
+  std::string start_control();
+  std::string start_metrics();
+
+ public:
+  // Counters for metrics.
+  uint64_t protocol_errors_ = 0, refused_clients_ = 0, submitted_ = 0, launches_ = 0;
+  std::map<std::string, uint64_t> ended_by_state_;
+  std::map<std::string, uint64_t> actions_by_kind_;
+  uint64_t metrics_requests_ = 0;
+  uv_loop_t* loop_ = nullptr;
+  std::set<void*> clients_;  // open control connections (control.cc)
+
+ private:
+  AgentConfig cfg_;
+  Store store_;
+  int lock_fd_ = -1;
+  bool draining_ = false;
+  bool closing_ = false;
+  uint16_t metrics_port_ = 0;
+
+  std::map<int64_t, TaskRow> tasks_;
+  std::map<int64_t, std::unique_ptr<LiveTask>> live_;
+  std::map<std::string, std::unique_ptr<Hub>> hubs_;
+  std::set<std::string> retry_hubs_;
+  std::vector<int64_t> pending_dead_;
+
+  uv_pipe_t* control_ = nullptr;
+  uv_tcp_t* metrics_ = nullptr;
+  uv_fs_event_t* dir_watch_ = nullptr;
+  uv_timer_t* tick_ = nullptr;
+  uint64_t tick_interval_ = 0;
+  uv_timer_t* retry_timer_ = nullptr;
+  int retry_round_ = 0;
+};
+
+// Closes a uv handle allocated with new and deletes it once libuv is done with it.
+template <typename T>
+void close_and_delete(T* h) {
+  if (!h) return;
+  uv_close(reinterpret_cast<uv_handle_t*>(h),
+           [](uv_handle_t* x) { delete reinterpret_cast<T*>(x); });
+}
+
+uint64_t mono_ns();
+void agent_log(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+
+}  // namespace bb::daemon

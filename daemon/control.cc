@@ -1,0 +1,582 @@
+// The control socket: accepts clients of allowed uids only, cuts their byte stream into frames,
+// and answers each Request with one Response. Any malformed, truncated or oversized frame gets
+// an Error reply and the connection is closed; nothing a client sends can crash the agent.
+#include "agent.capnp.h"
+#include "daemon/agent.h"
+#include "daemon/frame.h"
+#include "daemon/paths.h"
+#include "daemon/placement.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <capnp/message.h>
+#include <kj/exception.h>
+
+#include <algorithm>
+
+namespace bb::daemon {
+
+namespace {
+
+constexpr size_t kMaxClients = 128;
+constexpr uint64_t kPartialFrameTimeoutMs = 10'000;
+
+struct Conn {
+  uv_pipe_t pipe;
+  Agent* agent = nullptr;
+  FrameReader frames{bb::proto::MAX_FRAME_BYTES};
+  uv_timer_t* timer = nullptr;
+  bool hello = false;
+  bool closing = false;
+  uid_t uid = 0;
+  pid_t pid = 0;
+};
+
+struct WriteReq {
+  uv_write_t req;
+  std::vector<uint8_t> bytes;
+  Conn* conn;
+  bool close_after;
+};
+
+void close_conn(Conn* c) {
+  if (c->closing) return;
+  c->closing = true;
+  c->agent->clients_.erase(c);
+  if (c->timer) {
+    uv_timer_stop(c->timer);
+    close_and_delete(c->timer);
+    c->timer = nullptr;
+  }
+  uv_close(reinterpret_cast<uv_handle_t*>(&c->pipe),
+           [](uv_handle_t* h) { delete static_cast<Conn*>(h->data); });
+}
+
+void send(Conn* c, capnp::MessageBuilder& msg, bool close_after) {
+  if (c->closing) return;
+  auto* w = new WriteReq;
+  w->bytes = encode_frame(msg);
+  w->conn = c;
+  w->close_after = close_after;
+  uv_buf_t buf = uv_buf_init(reinterpret_cast<char*>(w->bytes.data()),
+                             static_cast<unsigned>(w->bytes.size()));
+  if (close_after) uv_read_stop(reinterpret_cast<uv_stream_t*>(&c->pipe));
+  int rc = uv_write(&w->req, reinterpret_cast<uv_stream_t*>(&c->pipe), &buf, 1,
+                    [](uv_write_t* req, int) {
+                      auto* w = reinterpret_cast<WriteReq*>(req);
+                      if (w->close_after) close_conn(w->conn);
+                      delete w;
+                    });
+  if (rc < 0) {
+    delete w;
+    close_conn(c);
+  }
+}
+
+void send_error(Conn* c, uint64_t id, proto::Error::Code code, const std::string& message,
+                bool close_after) {
+  capnp::MallocMessageBuilder msg;
+  auto resp = msg.initRoot<proto::Response>();
+  resp.setId(id);
+  auto err = resp.initError();
+  err.setCode(code);
+  err.setMessage(message);
+  send(c, msg, close_after);
+}
+
+void fill_spec(proto::TaskSpec::Builder b, const TaskSpec& s) {
+  b.setName(s.name);
+  auto argv = b.initArgv(static_cast<unsigned>(s.argv.size()));
+  for (size_t i = 0; i < s.argv.size(); ++i) argv.set(static_cast<unsigned>(i), s.argv[i]);
+  auto env = b.initEnv(static_cast<unsigned>(s.env.size()));
+  for (size_t i = 0; i < s.env.size(); ++i) env.set(static_cast<unsigned>(i), s.env[i]);
+  b.setCwd(s.cwd);
+  b.setHub(s.hub);
+  b.setGpu(s.gpu);
+  b.setPriority(s.priority);
+  b.setMemNeed(s.mem_need);
+  b.setMpsPriority(s.mps_priority);
+  b.setMpsMemLimit(s.mps_mem_limit);
+}
+
+std::string text(capnp::Text::Reader t) { return std::string(t.cStr(), t.size()); }
+
+bool printable(const std::string& s) {
+  return std::all_of(s.begin(), s.end(), [](char ch) {
+    return static_cast<unsigned char>(ch) >= 0x20 && ch != 0x7f;
+  });
+}
+
+// Checks a submission. "" or what is wrong and how to fix it.
+std::string read_spec(proto::TaskSpec::Reader r, TaskSpec* s) {
+  for (auto a : r.getArgv()) s->argv.push_back(text(a));
+  if (s->argv.empty() || s->argv[0].empty()) {
+    return "the task has no command: give it after `--`, e.g. `bubblectl submit -- ./task`";
+  }
+  for (const auto& a : s->argv) {
+    if (a.find('\0') != std::string::npos) return "a task argument contains a NUL byte";
+  }
+  s->name = text(r.getName());
+  if (s->name.empty()) {
+    std::string base = s->argv[0].substr(s->argv[0].rfind('/') + 1);
+    s->name = base.substr(0, 47);
+  }
+  if (s->name.size() > 47 || !printable(s->name)) {
+    return "task name \"" + s->name + "\" must be 1..47 printable characters";
+  }
+  for (auto e : r.getEnv()) {
+    std::string kv = text(e);
+    size_t eq = kv.find('=');
+    if (eq == 0 || eq == std::string::npos || kv.find('\0') != std::string::npos) {
+      return "environment entry \"" + kv + "\" is not KEY=VALUE";
+    }
+    s->env.push_back(kv);
+  }
+  s->cwd = text(r.getCwd());
+  if (!s->cwd.empty() && s->cwd[0] != '/') {
+    return "working directory \"" + s->cwd + "\" must be an absolute path";
+  }
+  s->hub = text(r.getHub());
+  if (s->hub.empty()) s->hub = "auto";
+  std::string job;
+  uint32_t rank;
+  if (s->hub != "auto" && !parse_hub_name(s->hub, &job, &rank)) {
+    return "hub \"" + s->hub + "\" is neither `auto` nor JOB:RANK (e.g. myjob:0)";
+  }
+  s->gpu = r.getGpu();
+  if (s->gpu < -1) return "GPU index " + std::to_string(s->gpu) + " is negative";
+  s->priority = r.getPriority();
+  s->mem_need = r.getMemNeed();
+  s->mps_priority = r.getMpsPriority();
+  if (s->mps_priority < -1 || s->mps_priority > 1) {
+    return "MPS client priority must be 0 (normal) or 1 (below normal)";
+  }
+  s->mps_mem_limit = text(r.getMpsMemLimit());
+  if (!printable(s->mps_mem_limit) || s->mps_mem_limit.find(' ') != std::string::npos) {
+    return "MPS memory limit \"" + s->mps_mem_limit + "\" is malformed (e.g. 2G or 0=2G)";
+  }
+  return "";
+}
+
+void fill_record(proto::TaskRecord::Builder b, const TaskRow& r) {
+  b.setId(static_cast<uint64_t>(r.id));
+  fill_spec(b.initSpec(), r.spec);
+  b.setState(r.state);
+  b.setOrigin(r.origin);
+  b.setHub(r.hub);
+  b.setPid(r.pid);
+  b.setExitCode(r.exit_code);
+  b.setSignal(r.signal);
+  b.setViolations(r.violations);
+  b.setAttempts(r.attempts);
+  b.setSubmittedAt(r.submitted_at);
+  b.setStartedAt(r.started_at);
+  b.setEndedAt(r.ended_at);
+  b.setMessage(r.message);
+  b.setSteps(r.steps);
+  b.setNsInBubbles(r.ns_in_bubbles);
+}
+
+std::string read_tail(const std::string& path, uint32_t max, bool* truncated, std::string* err) {
+  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    *err = "no log at " + path + " yet (the task has not been launched)";
+    return "";
+  }
+  struct stat st;
+  fstat(fd, &st);
+  off_t start = st.st_size > static_cast<off_t>(max) ? st.st_size - max : 0;
+  *truncated = start > 0;
+  std::string out(static_cast<size_t>(st.st_size - start), '\0');
+  ssize_t n = pread(fd, out.data(), out.size(), start);
+  close(fd);
+  out.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  return out;
+}
+
+void handle(Conn* c, capnp::MessageReader& msg) {
+  Agent* a = c->agent;
+  auto req = msg.getRoot<proto::Request>();
+  uint64_t id = req.getId();
+  capnp::MallocMessageBuilder out;
+  auto resp = out.initRoot<proto::Response>();
+  resp.setId(id);
+  auto which = req.which();
+  if (which == proto::Request::HELLO) {
+    uint32_t v = req.getHello().getProtocolVersion();
+    if (v != proto::PROTOCOL_VERSION) {
+      a->count_protocol_error();
+      send_error(c, id, proto::Error::Code::BAD_VERSION,
+                 "client speaks protocol version " + std::to_string(v) + ", this bubbled speaks " +
+                     std::to_string(proto::PROTOCOL_VERSION) +
+                     ": use the bubblectl of the same libbubble release",
+                 true);
+      return;
+    }
+    c->hello = true;
+    auto h = resp.initHello();
+    h.setProtocolVersion(proto::PROTOCOL_VERSION);
+    h.setAgentVersion(bb_version());
+    h.setPid(getpid());
+    h.setMetricsPort(a->metrics_port());
+    h.setRuntimeDir(a->config().runtime_dir);
+    h.setStateDir(a->config().state_dir);
+    send(c, out, false);
+    return;
+  }
+  if (!c->hello) {
+    a->count_protocol_error();
+    send_error(c, id, proto::Error::Code::BAD_REQUEST,
+               "the first request on a connection must be hello (protocol version check)", true);
+    return;
+  }
+  switch (which) {
+    case proto::Request::SUBMIT: {
+      TaskSpec spec;
+      std::string err = read_spec(req.getSubmit(), &spec);
+      if (err.empty()) {
+        int64_t tid = 0;
+        err = a->submit(spec, &tid);
+        if (err.empty()) {
+          resp.setSubmit(static_cast<uint64_t>(tid));
+          break;
+        }
+        send_error(c, id, proto::Error::Code::INTERNAL, err, false);
+        return;
+      }
+      send_error(c, id, proto::Error::Code::BAD_REQUEST, err, false);
+      return;
+    }
+    case proto::Request::LIST: {
+      a->refresh_all();
+      std::vector<TaskRow> rows = a->tasks(req.getList().getAll());
+      auto list = resp.initList(static_cast<unsigned>(rows.size()));
+      for (size_t i = 0; i < rows.size(); ++i) fill_record(list[static_cast<unsigned>(i)], rows[i]);
+      break;
+    }
+    case proto::Request::STATUS: {
+      a->refresh_all();
+      auto st = resp.initStatus();
+      std::vector<const Hub*> hubs;
+      for (const auto& [name, hub] : a->hubs()) hubs.push_back(hub.get());
+      auto list = st.initHubs(static_cast<unsigned>(hubs.size()));
+      for (size_t i = 0; i < hubs.size(); ++i) {
+        const Hub* h = hubs[i];
+        auto b = list[static_cast<unsigned>(i)];
+        b.setName(h->name);
+        b.setTrainerPid(h->snap.trainer_pid);
+        b.setAlive(h->alive);
+        b.setDraining(h->draining);
+        b.setBubbles(h->snap.bubbles);
+        b.setBubbleNs(h->snap.bubble_ns);
+        b.setBubblesPerSec(h->bubbles_per_sec);
+        b.setHarvestedNs(h->harvested_ns);
+        b.setTasks(h->alive ? static_cast<uint32_t>(h->snap.tasks.size()) : 0);
+        b.setMemGranted(a->granted_on(h->name));
+        b.setFreeMem(h->snap.free_mem);
+        b.setInBubble(h->alive && h->snap.in_bubble);
+        auto g = a->config().hub_gpu.find(h->name);
+        b.setGpu(g != a->config().hub_gpu.end() ? g->second : static_cast<int>(h->rank));
+      }
+      uint32_t queued = 0, running = 0;
+      for (const TaskRow& r : a->tasks(false)) {
+        if (r.state == "queued") ++queued;
+        else ++running;
+      }
+      st.setQueued(queued);
+      st.setRunning(running);
+      st.setDraining(a->draining());
+      st.setActions(a->store().count_actions());
+      break;
+    }
+    case proto::Request::CANCEL: {
+      std::string done;
+      std::string err = a->cancel(static_cast<int64_t>(req.getCancel()), &done);
+      if (!err.empty()) {
+        send_error(c, id, proto::Error::Code::NOT_FOUND, err, false);
+        return;
+      }
+      resp.setOk(done);
+      break;
+    }
+    case proto::Request::DRAIN: {
+      std::string done;
+      auto d = req.getDrain();
+      std::string err = a->drain(text(d.getHub()), d.getUndo(), &done);
+      if (!err.empty()) {
+        send_error(c, id, proto::Error::Code::NOT_FOUND, err, false);
+        return;
+      }
+      resp.setOk(done);
+      break;
+    }
+    case proto::Request::LOGS: {
+      auto l = req.getLogs();
+      int64_t tid = static_cast<int64_t>(l.getTask());
+      if (!a->task(tid)) {
+        send_error(c, id, proto::Error::Code::NOT_FOUND,
+                   "no task #" + std::to_string(tid) + ": see `bubblectl list --all`", false);
+        return;
+      }
+      if (a->task(tid)->origin == "attached") {
+        send_error(c, id, proto::Error::Code::STATE,
+                   "task #" + std::to_string(tid) +
+                       " was started outside the agent: its output is wherever its starter "
+                       "sent it",
+                   false);
+        return;
+      }
+      std::string path = a->log_path(tid, l.getStderr());
+      bool truncated = false;
+      std::string err;
+      std::string data =
+          read_tail(path, std::min<uint32_t>(l.getMaxBytes(), 8u << 20), &truncated, &err);
+      if (!err.empty()) {
+        send_error(c, id, proto::Error::Code::NOT_FOUND, err, false);
+        return;
+      }
+      auto lr = resp.initLogs();
+      lr.setPath(path);
+      lr.setData(kj::arrayPtr(reinterpret_cast<const kj::byte*>(data.data()), data.size()));
+      lr.setTruncated(truncated);
+      break;
+    }
+    case proto::Request::EVENTS: {
+      a->refresh_all();
+      double secs = req.getEvents().getSeconds();
+      if (!(secs > 0) || secs > 86400) secs = 10;
+      uint64_t now = mono_ns();
+      uint64_t from = now > static_cast<uint64_t>(secs * 1e9) ? now - static_cast<uint64_t>(secs * 1e9) : 0;
+      auto er = resp.initEvents();
+      er.setNowNs(now);
+      std::vector<const Hub*> hubs;
+      for (const auto& [name, hub] : a->hubs()) {
+        if (!hub->events.empty()) hubs.push_back(hub.get());
+      }
+      auto list = er.initHubs(static_cast<unsigned>(hubs.size()));
+      const size_t budget = 400000 / std::max<size_t>(1, hubs.size());
+      for (size_t i = 0; i < hubs.size(); ++i) {
+        const Hub* h = hubs[i];
+        auto b = list[static_cast<unsigned>(i)];
+        b.setHub(h->name);
+        b.setLost(h->lost);
+        auto names = b.initTaskNames(static_cast<unsigned>(h->slot_names.size()));
+        unsigned k = 0;
+        for (const auto& [slot, name] : h->slot_names) {
+          names[k].setSlot(slot);
+          names[k].setName(name);
+          ++k;
+        }
+        size_t first = h->events.size();
+        while (first > 0 && h->events[first - 1].ts_ns >= from && h->events.size() - first < budget) {
+          --first;
+        }
+        unsigned n = static_cast<unsigned>(h->events.size() - first);
+        auto ts = b.initTsNs(n);
+        auto ty = b.initType(n);
+        auto sl = b.initSlot(n);
+        auto ea = b.initA(n);
+        auto eb = b.initB(n);
+        for (unsigned j = 0; j < n; ++j) {
+          const core::Event& e = h->events[first + j];
+          ts.set(j, e.ts_ns);
+          ty.set(j, static_cast<uint16_t>(e.type));
+          sl.set(j, e.slot);
+          ea.set(j, e.a);
+          eb.set(j, e.b);
+        }
+      }
+      break;
+    }
+    case proto::Request::ACTIONS: {
+      std::vector<ActionRow> rows = a->store().load_actions(req.getActions());
+      auto list = resp.initActions(static_cast<unsigned>(rows.size()));
+      for (size_t i = 0; i < rows.size(); ++i) {
+        auto b = list[static_cast<unsigned>(i)];
+        b.setAtMs(rows[i].at_ms);
+        b.setTask(static_cast<uint64_t>(rows[i].task));
+        b.setPid(rows[i].pid);
+        b.setHub(rows[i].hub);
+        b.setAction(rows[i].action);
+        b.setDetail(rows[i].detail);
+      }
+      break;
+    }
+    default:
+      a->count_protocol_error();
+      send_error(c, id, proto::Error::Code::BAD_REQUEST,
+                 "unknown request (a newer client?): use the bubblectl of this release", false);
+      return;
+  }
+  send(c, out, false);
+}
+
+void on_partial_timeout(uv_timer_t* t) {
+  auto* c = static_cast<Conn*>(t->data);
+  c->agent->count_protocol_error();
+  send_error(c, 0, proto::Error::Code::BAD_FRAME,
+             "truncated frame: the rest did not arrive within " +
+                 std::to_string(kPartialFrameTimeoutMs / 1000) + " s",
+             true);
+}
+
+void on_read(uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) {
+  auto* c = static_cast<Conn*>(s->data);
+  if (nread > 0) c->frames.feed(buf->base, static_cast<size_t>(nread));
+  delete[] buf->base;
+  if (c->closing) return;
+  if (nread < 0) {
+    if (nread == UV_EOF && c->frames.pending() > 0) {
+      c->agent->count_protocol_error();
+      send_error(c, 0, proto::Error::Code::BAD_FRAME,
+                 "truncated frame: the connection ended " + std::to_string(c->frames.pending()) +
+                     " bytes into a frame",
+                 true);
+    } else {
+      close_conn(c);
+    }
+    return;
+  }
+  for (;;) {
+    std::unique_ptr<capnp::MessageReader> reader;
+    std::string error;
+    FrameReader::Result r = c->frames.next(&reader, &error);
+    if (r == FrameReader::Result::kNeedMore) break;
+    if (r == FrameReader::Result::kError) {
+      c->agent->count_protocol_error();
+      send_error(c, 0, proto::Error::Code::BAD_FRAME, error, true);
+      return;
+    }
+    try {
+      handle(c, *reader);
+    } catch (const kj::Exception& e) {
+      c->agent->count_protocol_error();
+      send_error(c, 0, proto::Error::Code::BAD_FRAME,
+                 std::string("malformed request: ") + e.getDescription().cStr(), true);
+      return;
+    } catch (const std::exception& e) {
+      c->agent->count_protocol_error();
+      send_error(c, 0, proto::Error::Code::INTERNAL, std::string("request failed: ") + e.what(),
+                 true);
+      return;
+    }
+    if (c->closing) return;
+  }
+  if (c->frames.pending() > 0) {
+    if (!c->timer) {
+      c->timer = new uv_timer_t;
+      uv_timer_init(s->loop, c->timer);
+      c->timer->data = c;
+      uv_timer_start(c->timer, on_partial_timeout, kPartialFrameTimeoutMs, 0);
+    }
+  } else if (c->timer) {
+    uv_timer_stop(c->timer);
+    close_and_delete(c->timer);
+    c->timer = nullptr;
+  }
+}
+
+void on_connection(uv_stream_t* server, int status) {
+  if (status < 0) return;
+  auto* agent = static_cast<Agent*>(server->data);
+  auto* c = new Conn;
+  c->agent = agent;
+  uv_pipe_init(server->loop, &c->pipe, 0);
+  c->pipe.data = c;
+  if (uv_accept(server, reinterpret_cast<uv_stream_t*>(&c->pipe)) != 0) {
+    uv_close(reinterpret_cast<uv_handle_t*>(&c->pipe),
+             [](uv_handle_t* h) { delete static_cast<Conn*>(h->data); });
+    return;
+  }
+  agent->clients_.insert(c);
+  uv_os_fd_t fd;
+  uv_fileno(reinterpret_cast<uv_handle_t*>(&c->pipe), &fd);
+  struct ucred cred {};
+  socklen_t len = sizeof cred;
+  if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+    agent->count_refused();
+    send_error(c, 0, proto::Error::Code::PERMISSION,
+               "cannot read the client's credentials; connection refused", true);
+    return;
+  }
+  c->uid = cred.uid;
+  c->pid = cred.pid;
+  const auto& allow = agent->config().allow_uids;
+  if (cred.uid != getuid() && !allow.count(cred.uid)) {
+    agent->count_refused();
+    agent_log("refused a client of uid %u (pid %d)", cred.uid, cred.pid);
+    send_error(c, 0, proto::Error::Code::PERMISSION,
+               "uid " + std::to_string(cred.uid) + " may not use this agent (it runs as uid " +
+                   std::to_string(getuid()) +
+                   "): use your own `bubbled`, or start this one with --allow-uid " +
+                   std::to_string(cred.uid),
+               true);
+    return;
+  }
+  if (agent->clients_.size() > kMaxClients) {
+    send_error(c, 0, proto::Error::Code::STATE,
+               "the agent has too many open connections; retry shortly", true);
+    return;
+  }
+  uv_read_start(
+      reinterpret_cast<uv_stream_t*>(&c->pipe),
+      [](uv_handle_t*, size_t suggested, uv_buf_t* buf) {
+        *buf = uv_buf_init(new char[suggested], static_cast<unsigned>(suggested));
+      },
+      on_read);
+}
+
+}  // namespace
+
+std::string Agent::start_control() {
+  const std::string& path = cfg_.socket_path;
+  if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+    return "socket path " + path + " is longer than " +
+           std::to_string(sizeof(sockaddr_un::sun_path) - 1) + " bytes: choose a shorter --socket";
+  }
+  std::string dir = path.substr(0, path.rfind('/'));
+  if (!dir.empty()) {
+    std::string e = make_dirs(dir, 0700);
+    if (!e.empty()) return e;
+  }
+  // A socket file may be left by an agent that died: remove it only if nobody answers on it.
+  struct stat st;
+  if (lstat(path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return path + " exists and is not a socket: remove it or choose another --socket";
+    }
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un sa{};
+    sa.sun_family = AF_UNIX;
+    memcpy(sa.sun_path, path.c_str(), path.size());
+    bool live = fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0;
+    if (fd >= 0) close(fd);
+    if (live) return "another bubbled already serves " + path + ": stop it first";
+    unlink(path.c_str());
+  }
+  control_ = new uv_pipe_t;
+  uv_pipe_init(loop_, control_, 0);
+  control_->data = this;
+  // The socket is created owner-only: no window in which another user could connect.
+  mode_t old = umask(0177);
+  int rc = uv_pipe_bind(control_, path.c_str());
+  umask(old);
+  if (rc < 0) return "cannot bind " + path + ": " + uv_strerror(rc);
+  chmod(path.c_str(), 0600);
+  rc = uv_listen(reinterpret_cast<uv_stream_t*>(control_), 64, on_connection);
+  if (rc < 0) return "cannot listen on " + path + ": " + uv_strerror(rc);
+  return "";
+}
+
+void close_all_clients(Agent* agent) {
+  std::vector<void*> all(agent->clients_.begin(), agent->clients_.end());
+  for (void* c : all) close_conn(static_cast<Conn*>(c));
+}
+
+}  // namespace bb::daemon

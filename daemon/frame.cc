@@ -1,0 +1,97 @@
+#include "daemon/frame.h"
+
+#include <errno.h>
+#include <string.h>
+#include <unistd.h>
+
+#include <kj/exception.h>
+
+namespace bb::daemon {
+
+std::vector<uint8_t> encode_frame(capnp::MessageBuilder& message) {
+  kj::Array<capnp::word> words = capnp::messageToFlatArray(message);
+  kj::ArrayPtr<const kj::byte> bytes = words.asBytes();
+  std::vector<uint8_t> out(4 + bytes.size());
+  uint32_t len = static_cast<uint32_t>(bytes.size());
+  for (int i = 0; i < 4; ++i) out[i] = static_cast<uint8_t>(len >> (8 * i));
+  memcpy(out.data() + 4, bytes.begin(), bytes.size());
+  return out;
+}
+
+FrameReader::Result FrameReader::next(std::unique_ptr<capnp::MessageReader>* reader,
+                                      std::string* error) {
+  if (buf_.size() < 4) return Result::kNeedMore;
+  uint32_t len = 0;
+  for (int i = 0; i < 4; ++i) len |= static_cast<uint32_t>(buf_[i]) << (8 * i);
+  if (len == 0 || len % 8 != 0) {
+    *error = "frame length " + std::to_string(len) +
+             " is not a positive multiple of 8: the peer does not speak the bubbled protocol";
+    return Result::kError;
+  }
+  if (len > max_) {
+    *error = "frame of " + std::to_string(len) + " bytes exceeds the maximum of " +
+             std::to_string(max_) + " bytes";
+    return Result::kError;
+  }
+  if (buf_.size() < 4 + static_cast<size_t>(len)) return Result::kNeedMore;
+  body_ = kj::heapArray<capnp::word>(len / 8);
+  memcpy(body_.begin(), buf_.data() + 4, len);
+  buf_.erase(buf_.begin(), buf_.begin() + 4 + len);
+  try {
+    capnp::ReaderOptions opts;
+    // Bounds the work a hostile frame can cause: no more words traversed than it holds (times
+    // a small factor for legitimately shared structure).
+    opts.traversalLimitInWords = static_cast<uint64_t>(len / 8) * 4 + 64;
+    opts.nestingLimit = 16;
+    auto flat = std::make_unique<capnp::FlatArrayMessageReader>(body_.asPtr(), opts);
+    if (flat->getEnd() != body_.end()) {
+      *error = "frame body does not match its Cap'n Proto segment table";
+      return Result::kError;
+    }
+    *reader = std::move(flat);
+    return Result::kFrame;
+  } catch (const kj::Exception& e) {
+    *error = std::string("frame does not decode: ") + e.getDescription().cStr();
+    return Result::kError;
+  }
+}
+
+bool write_frame_fd(int fd, capnp::MessageBuilder& message, std::string* error) {
+  std::vector<uint8_t> bytes = encode_frame(message);
+  size_t off = 0;
+  while (off < bytes.size()) {
+    ssize_t n = ::write(fd, bytes.data() + off, bytes.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      *error = std::string("cannot send to the agent: ") + strerror(errno);
+      return false;
+    }
+    off += static_cast<size_t>(n);
+  }
+  return true;
+}
+
+bool read_frame_fd(int fd, FrameReader* frames, std::unique_ptr<capnp::MessageReader>* reader,
+                   std::string* error) {
+  for (;;) {
+    switch (frames->next(reader, error)) {
+      case FrameReader::Result::kFrame: return true;
+      case FrameReader::Result::kError: return false;
+      case FrameReader::Result::kNeedMore: break;
+    }
+    char buf[65536];
+    ssize_t n = ::read(fd, buf, sizeof buf);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      *error = std::string("cannot read from the agent: ") + strerror(errno);
+      return false;
+    }
+    if (n == 0) {
+      *error = "the agent closed the connection";
+      return false;
+    }
+    frames->feed(buf, static_cast<size_t>(n));
+  }
+}
+
+}  // namespace bb::daemon

@@ -1,0 +1,374 @@
+// The hub side of the agent: discover hubs without the trainer ever waiting for us (a watch on
+// the runtime directory plus a scan at start), observe them read-only, notice their trainer's
+// exit through the observer's descriptor, and sample snapshots and event logs while they live.
+#include "daemon/agent.h"
+#include "daemon/placement.h"
+
+#include <signal.h>
+
+#include <algorithm>
+
+namespace bb::daemon {
+
+namespace {
+constexpr size_t kMaxEventsPerHub = 131072;
+constexpr int kMaxOpenRetries = 6;
+const uint64_t kRetryDelaysMs[kMaxOpenRetries] = {10, 30, 100, 300, 1000, 3000};
+}  // namespace
+
+struct HubCallbacks {
+  static void on_dir_event(uv_fs_event_t* h, const char*, int, int status) {
+    auto* agent = static_cast<Agent*>(h->data);
+    if (status < 0) {
+      agent_log("watching the hub directory failed: %s", uv_strerror(status));
+      return;
+    }
+    agent->scan_hubs();
+  }
+  static void on_hub_poll(uv_poll_t* p, int status, int events) {
+    auto* hub = static_cast<Hub*>(p->data);
+    Agent* agent = static_cast<Agent*>(p->loop->data);
+    if (status < 0 || (events & UV_DISCONNECT) || !hub->obs || !hub->obs->alive()) {
+      agent->on_hub_gone(hub, "its trainer closed the hub or exited");
+      return;
+    }
+    // Readable while the trainer lives: not an end-of-stream. Keep watching for the hang-up
+    // only, so a level-triggered readable descriptor cannot spin the loop.
+    uv_poll_start(p, UV_DISCONNECT, on_hub_poll);
+  }
+  static void on_retry(uv_timer_t* t) {
+    auto* agent = static_cast<Agent*>(t->data);
+    std::set<std::string> pending;
+    pending.swap(agent->retry_hubs_);
+    for (const auto& name : pending) {
+      std::string job;
+      uint32_t rank;
+      if (parse_hub_name(name, &job, &rank)) agent->try_open_hub(job, rank);
+    }
+    if (!agent->retry_hubs_.empty() && agent->retry_round_ < kMaxOpenRetries) {
+      uv_timer_start(t, on_retry, kRetryDelaysMs[agent->retry_round_++], 0);
+    } else {
+      agent->retry_hubs_.clear();
+      agent->retry_round_ = 0;
+    }
+  }
+  static void on_tick(uv_timer_t* t) {
+    auto* agent = static_cast<Agent*>(t->data);
+    agent->refresh_all();
+    agent->update_timers();
+  }
+};
+
+std::string Agent::start_hub_watch() {
+  dir_watch_ = new uv_fs_event_t;
+  uv_fs_event_init(loop_, dir_watch_);
+  dir_watch_->data = this;
+  int rc = uv_fs_event_start(dir_watch_, HubCallbacks::on_dir_event, cfg_.runtime_dir.c_str(), 0);
+  if (rc < 0) {
+    return "cannot watch the hub directory " + cfg_.runtime_dir + ": " + uv_strerror(rc);
+  }
+  tick_ = new uv_timer_t;
+  uv_timer_init(loop_, tick_);
+  tick_->data = this;
+  retry_timer_ = new uv_timer_t;
+  uv_timer_init(loop_, retry_timer_);
+  retry_timer_->data = this;
+  scan_hubs();
+  return "";
+}
+
+void Agent::scan_hubs() {
+  if (closing_) return;
+  for (const core::HubName& h : core::list_hubs(cfg_.runtime_dir)) {
+    std::string name = h.job + ":" + std::to_string(h.rank);
+    auto it = hubs_.find(name);
+    if (it != hubs_.end() && it->second->alive) continue;
+    try_open_hub(h.job, h.rank);
+  }
+  update_timers();
+}
+
+void Agent::try_open_hub(const std::string& job, uint32_t rank) {
+  std::string name = job + ":" + std::to_string(rank);
+  auto it = hubs_.find(name);
+  if (it != hubs_.end() && it->second->alive) return;
+  std::unique_ptr<core::HubObserver> obs;
+  std::string error;
+  bb_status st = core::HubObserver::open(cfg_.runtime_dir, job, rank, &obs, &error);
+  if (st != BB_OK) {
+    // The socket may exist a moment before its trainer listens, or be left by a dead trainer
+    // (which the next trainer of that name replaces): retry a few times, then wait for the
+    // directory to change again.
+    if (cfg_.verbose) agent_log("hub %s not ready: %s", name.c_str(), error.c_str());
+    retry_hubs_.insert(name);
+    if (retry_timer_ && !uv_is_active(reinterpret_cast<uv_handle_t*>(retry_timer_))) {
+      retry_round_ = 0;
+      uv_timer_start(retry_timer_, HubCallbacks::on_retry, kRetryDelaysMs[retry_round_++], 0);
+    }
+    return;
+  }
+  if (it == hubs_.end()) {
+    it = hubs_.emplace(name, std::make_unique<Hub>()).first;
+  }
+  Hub* hub = it->second.get();
+  // A new trainer under an old name starts from zero: its counters and slots are its own.
+  bool draining = hub->draining;
+  *hub = Hub();
+  hub->draining = draining;
+  hub->name = name;
+  hub->job = job;
+  hub->rank = rank;
+  hub->obs = std::move(obs);
+  hub->alive = true;
+  hub->poll = new uv_poll_t;
+  uv_poll_init(loop_, hub->poll, hub->obs->fd());
+  hub->poll->data = hub;
+  uv_poll_start(hub->poll, UV_READABLE | UV_DISCONNECT, HubCallbacks::on_hub_poll);
+  hub->rate_ns = mono_ns();
+  agent_log("hub %s attached (trainer pid %d)", name.c_str(), hub->obs->snapshot().trainer_pid);
+  refresh_hub(hub, mono_ns());
+  schedule();
+  update_timers();
+}
+
+void Agent::close_hub_handles(Hub* hub) {
+  if (hub->poll) {
+    uv_poll_stop(hub->poll);
+    close_and_delete(hub->poll);
+    hub->poll = nullptr;
+  }
+  hub->obs.reset();
+}
+
+void Agent::on_hub_gone(Hub* hub, const char* why) {
+  if (!hub->alive) return;
+  // Take the last events and counters before the view goes away.
+  refresh_hub(hub, mono_ns());
+  hub->alive = false;
+  close_hub_handles(hub);
+  agent_log("hub %s gone: %s", hub->name.c_str(), why);
+  for (auto& [id, row] : tasks_) {
+    if (row.hub != hub->name || state_is_final(row.state) || row.state == "queued") continue;
+    if (row.origin == "attached") {
+      if (row.state == "stopped") signal_task(row, SIGCONT);
+      finish_row(&row, "lost", "its hub " + hub->name + " went away while it was attached");
+      continue;
+    }
+    LiveTask* lt = live(id);
+    if (lt && !lt->cancel) {
+      lt->replace = true;
+      record(&row, row.pid, hub->name, "replace", "its hub went away: re-placing the task");
+      terminate(&row, "its hub went away");
+    }
+  }
+  hub->task_rows.clear();
+  hub->enforce.clear();
+  schedule();
+  update_timers();
+}
+
+void Agent::refresh_all() {
+  uint64_t now = mono_ns();
+  std::vector<Hub*> gone;
+  for (auto& [name, hub] : hubs_) {
+    if (!hub->alive) continue;
+    if (!hub->obs->alive()) {
+      gone.push_back(hub.get());
+      continue;
+    }
+    refresh_hub(hub.get(), now);
+  }
+  for (Hub* h : gone) on_hub_gone(h, "its trainer closed the hub or exited");
+  bool queued = false;
+  for (const auto& [id, row] : tasks_) queued |= row.state == "queued";
+  if (queued) schedule();
+}
+
+void Agent::refresh_hub(Hub* hub, uint64_t now) {
+  if (!hub->obs) return;
+  hub->snap = hub->obs->snapshot();
+  core::Event buf[512];
+  for (;;) {
+    uint64_t lost = 0;
+    size_t n = hub->obs->read_events(&hub->cursor, buf, 512, &lost);
+    hub->lost += lost;
+    for (size_t i = 0; i < n; ++i) hub->events.push_back(buf[i]);
+    if (n < 512) break;
+  }
+  while (hub->events.size() > kMaxEventsPerHub) hub->events.pop_front();
+  if (now - hub->rate_ns >= 1'000'000'000ull) {
+    double dt = static_cast<double>(now - hub->rate_ns) / 1e9;
+    hub->bubbles_per_sec = static_cast<double>(hub->snap.bubbles - std::min(hub->snap.bubbles,
+                                                                            hub->rate_bubbles)) / dt;
+    hub->rate_bubbles = hub->snap.bubbles;
+    hub->rate_ns = now;
+  }
+  reconcile_tasks(hub);
+  enforce_hub(hub, now);
+}
+
+int64_t Agent::match_task(Hub* hub, const core::TaskSnapshot& t) {
+  ProcStat ps;
+  bool have = read_proc_stat(t.pid, &ps);
+  for (auto& [id, row] : tasks_) {
+    if (state_is_final(row.state) || row.state == "queued" || row.pid <= 0) continue;
+    if (row.origin == "attached") {
+      if (row.pid == t.pid && row.hub == hub->name) return id;
+      continue;
+    }
+    // The launch wrapper leads the task's process group; the task may be its child or any
+    // descendant that kept the group.
+    if (row.pid == t.pid || (have && (ps.pgid == row.pid || ps.ppid == row.pid))) return id;
+  }
+  return 0;
+}
+
+void Agent::reconcile_tasks(Hub* hub) {
+  std::set<uint64_t> present;
+  for (const core::TaskSnapshot& t : hub->snap.tasks) {
+    present.insert(t.id);
+    hub->slot_names[static_cast<uint16_t>(t.slot)] = t.name;
+    uint64_t& counted = hub->task_harvest[t.id];
+    if (t.ns_in_bubbles > counted) {
+      hub->harvested_ns += t.ns_in_bubbles - counted;
+      counted = t.ns_in_bubbles;
+    }
+    int64_t rid = 0;
+    auto it = hub->task_rows.find(t.id);
+    if (it != hub->task_rows.end()) {
+      rid = it->second;
+    } else {
+      rid = match_task(hub, t);
+      if (rid == 0) {
+        // Started outside the agent: adopt it so it is shown, counted and enforced.
+        TaskRow row;
+        row.origin = "attached";
+        row.state = "running";
+        row.spec.name = t.name;
+        row.spec.hub = hub->name;
+        row.spec.priority = t.priority;
+        row.spec.mem_need = t.mem_need;
+        row.hub = hub->name;
+        row.pid = t.pid;
+        ProcStat ps;
+        if (read_proc_stat(t.pid, &ps)) row.pid_start = ps.start_time;
+        row.submitted_at = row.started_at = wall_ms();
+        row.attempts = 1;
+        row.message = "attached to the hub by itself";
+        if (!store_.insert_task(&row)) {
+          agent_log("cannot record attached task: %s", store_.last_error().c_str());
+        }
+        rid = row.id;
+        tasks_[rid] = row;
+        agent_log("adopted task %s (pid %d) on hub %s as #%lld", t.name.c_str(), t.pid,
+                  hub->name.c_str(), static_cast<long long>(rid));
+      }
+      hub->task_rows[t.id] = rid;
+    }
+    auto rit = tasks_.find(rid);
+    if (rit != tasks_.end()) {
+      TaskRow& row = rit->second;
+      row.steps = t.steps;
+      row.ns_in_bubbles = t.ns_in_bubbles;
+      if (row.origin == "attached") {
+        if (t.state == core::TaskRunState::kFailed) row.message = "reported failure";
+        if (t.state == core::TaskRunState::kFinished) row.message = "reported it finished";
+      }
+    }
+  }
+  for (auto it = hub->task_rows.begin(); it != hub->task_rows.end();) {
+    if (present.count(it->first)) {
+      ++it;
+      continue;
+    }
+    auto rit = tasks_.find(it->second);
+    if (rit != tasks_.end() && rit->second.origin == "attached" &&
+        !state_is_final(rit->second.state)) {
+      TaskRow& row = rit->second;
+      bool failed = row.message == "reported failure";
+      finish_row(&row, failed ? "failed" : "finished", "detached from hub " + hub->name);
+    }
+    hub->enforce.erase(it->first);
+    hub->task_harvest.erase(it->first);
+    it = hub->task_rows.erase(it);
+  }
+}
+
+void Agent::enforce_hub(Hub* hub, uint64_t now) {
+  HubMoment moment{hub->snap.in_bubble, hub->snap.bubble_seq};
+  for (const core::TaskSnapshot& t : hub->snap.tasks) {
+    auto it = hub->task_rows.find(t.id);
+    if (it == hub->task_rows.end()) continue;
+    auto rit = tasks_.find(it->second);
+    if (rit == tasks_.end() || state_is_final(rit->second.state)) continue;
+    TaskRow& row = rit->second;
+    EnforceState& st = hub->enforce[t.id];
+    Verdict v = enforce_step(cfg_.enforce, &st, moment, {t.pause_requested_ns, t.pause_acked_ns, t.started},
+                             now);
+    if (v == Verdict::kNone) continue;
+    row.violations = std::max(row.violations, st.violations);
+    char detail[200];
+    switch (v) {
+      case Verdict::kStop:
+        snprintf(detail, sizeof detail,
+                 "pause not acked within %.1f ms (hub at bubble %llu; violation %u of %u)",
+                 static_cast<double>(cfg_.enforce.grace_ns) / 1e6,
+                 static_cast<unsigned long long>(hub->snap.bubble_seq), st.violations,
+                 cfg_.enforce.kill_after);
+        signal_task(row, SIGSTOP);
+        row.state = "stopped";
+        row.message = "stopped for not pausing: continued at its hub's next bubble";
+        break;
+      case Verdict::kContinue:
+        snprintf(detail, sizeof detail, "bubble %llu began",
+                 static_cast<unsigned long long>(hub->snap.bubble_seq));
+        signal_task(row, SIGCONT);
+        row.state = "running";
+        break;
+      case Verdict::kKill: {
+        snprintf(detail, sizeof detail, "pause not acked %u times (limit %u)", st.violations,
+                 cfg_.enforce.kill_after);
+        LiveTask* lt = live(row.id);
+        if (lt) lt->killed_by_agent = true;
+        signal_task(row, SIGKILL);
+        if (row.origin == "attached") {
+          row.signal = SIGKILL;
+          finish_row(&row, "killed", detail);
+        } else {
+          row.message = detail;
+        }
+        break;
+      }
+      case Verdict::kNone: break;
+    }
+    record(&row, row.origin == "attached" ? row.pid : t.pid, hub->name, verdict_name(v), detail);
+    save(row);
+  }
+}
+
+void Agent::update_timers() {
+  if (closing_ || !tick_) return;
+  bool any_hub = false, any_task = false;
+  for (const auto& [name, hub] : hubs_) {
+    if (!hub->alive) continue;
+    any_hub = true;
+    if (!hub->snap.tasks.empty()) any_task = true;
+  }
+  for (const auto& [id, row] : tasks_) {
+    if (row.state == "running" || row.state == "stopped" || row.state == "stopping") {
+      auto it = hubs_.find(row.hub);
+      if (it != hubs_.end() && it->second->alive) any_task = true;
+    }
+  }
+  uint64_t want = any_task ? cfg_.check_interval_ns : any_hub ? cfg_.sample_interval_ns : 0;
+  if (want == tick_interval_) return;
+  tick_interval_ = want;
+  if (want == 0) {
+    uv_timer_stop(tick_);
+    return;
+  }
+  uint64_t ms = std::max<uint64_t>(1, want / 1'000'000);
+  uv_timer_start(tick_, HubCallbacks::on_tick, ms, ms);
+}
+
+}  // namespace bb::daemon

@@ -1,0 +1,53 @@
+#include "daemon/paths.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace bb::daemon {
+
+namespace {
+std::string env(const char* name) {
+  const char* v = getenv(name);
+  return v && *v ? std::string(v) : std::string();
+}
+}  // namespace
+
+std::string default_agent_socket(const std::string& runtime_dir) {
+  std::string s = env("BUBBLE_AGENT_SOCKET");
+  if (!s.empty()) return s;
+  return runtime_dir + "/agent/bubbled.sock";
+}
+
+std::string default_state_dir() {
+  std::string s = env("BUBBLE_STATE_DIR");
+  if (!s.empty()) return s;
+  s = env("XDG_STATE_HOME");
+  if (!s.empty()) return s + "/bubble";
+  s = env("HOME");
+  if (!s.empty()) return s + "/.local/state/bubble";
+  return "/var/tmp/bubble-" + std::to_string(getuid());
+}
+
+std::string make_dirs(const std::string& path, unsigned mode) {
+  if (path.empty()) return "empty directory path";
+  std::string cur;
+  size_t pos = 0;
+  while (pos != std::string::npos) {
+    pos = path.find('/', pos + 1);
+    cur = path.substr(0, pos);
+    if (cur.empty()) continue;
+    if (mkdir(cur.c_str(), mode) != 0 && errno != EEXIST) {
+      return "cannot create directory " + cur + ": " + strerror(errno);
+    }
+  }
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return path + " exists but is not a directory: remove it or choose another path";
+  }
+  return "";
+}
+
+}  // namespace bb::daemon

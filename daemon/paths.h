@@ -1,0 +1,21 @@
+// Where the agent keeps its socket, its database and task logs.
+#pragma once
+
+#include <string>
+
+namespace bb::daemon {
+
+// The agent's socket: $BUBBLE_AGENT_SOCKET, else <hub runtime dir>/agent/bubbled.sock (the
+// runtime dir being $BUBBLE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/bubble, else /tmp/bubble-<uid>).
+// The socket lives in a subdirectory so it can never be taken for a hub socket.
+std::string default_agent_socket(const std::string& runtime_dir);
+
+// Durable state (database, logs): $BUBBLE_STATE_DIR, else $XDG_STATE_HOME/bubble, else
+// $HOME/.local/state/bubble, else /var/tmp/bubble-<uid>. Not the runtime dir: that one is
+// usually a tmpfs and is lost at reboot.
+std::string default_state_dir();
+
+// mkdir -p with the given mode for directories it creates. Returns "" or an error sentence.
+std::string make_dirs(const std::string& path, unsigned mode);
+
+}  // namespace bb::daemon

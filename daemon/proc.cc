@@ -1,0 +1,111 @@
+#include "daemon/proc.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+namespace bb::daemon {
+
+bool read_proc_stat(pid_t pid, ProcStat* out) {
+  if (pid <= 0) return false;
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/stat", static_cast<int>(pid));
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  char buf[1024];
+  ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return false;
+  buf[n] = 0;
+  // The command name may contain spaces and parentheses: fields resume after the last ')'.
+  char* rp = strrchr(buf, ')');
+  if (!rp || rp[1] == 0) return false;
+  char state = 0;
+  int ppid = 0, pgid = 0;
+  unsigned long long start = 0;
+  // Fields 3.. : state ppid pgrp session tty_nr tpgid flags minflt cminflt majflt cmajflt utime
+  // stime cutime cstime priority nice num_threads itrealvalue starttime
+  if (sscanf(rp + 2,
+             "%c %d %d %*d %*d %*d %*u %*u %*u %*u %*u %*u %*u %*d %*d %*d %*d %*d %*d %llu",
+             &state, &ppid, &pgid, &start) != 4) {
+    return false;
+  }
+  out->pid = pid;
+  out->ppid = ppid;
+  out->pgid = pgid;
+  out->state = state;
+  out->start_time = start;
+  return true;
+}
+
+bool same_process(pid_t pid, uint64_t start_time) {
+  ProcStat st;
+  if (!read_proc_stat(pid, &st)) return false;
+  return st.start_time == start_time && st.state != 'Z' && st.state != 'X';
+}
+
+bool read_exit_file(const std::string& path, ExitStatus* out) {
+  FILE* f = fopen(path.c_str(), "re");
+  if (!f) return false;
+  char kind[16] = {0};
+  int value = 0;
+  bool ok = fscanf(f, "%15s %d", kind, &value) == 2;
+  fclose(f);
+  if (!ok) return false;
+  out->known = true;
+  if (strcmp(kind, "signal") == 0) {
+    out->signal = value;
+    out->code = 128 + value;
+  } else {
+    out->signal = 0;
+    out->code = value;
+  }
+  return true;
+}
+
+void run_exec_wrapper(const std::string& exit_file, char** argv) {
+  pid_t child = fork();
+  if (child < 0) {
+    fprintf(stderr, "bubbled: cannot start the task: fork: %s\n", strerror(errno));
+    _exit(127);
+  }
+  if (child == 0) {
+    execvp(argv[0], argv);
+    fprintf(stderr, "bubbled: cannot run %s: %s (check the command and PATH)\n", argv[0],
+            strerror(errno));
+    _exit(127);
+  }
+  signal(SIGTERM, SIG_IGN);
+  signal(SIGINT, SIG_IGN);
+  signal(SIGHUP, SIG_IGN);
+  signal(SIGQUIT, SIG_IGN);
+  int status = 0;
+  while (waitpid(child, &status, 0) < 0) {
+    if (errno != EINTR) _exit(127);
+  }
+  char line[64];
+  int code;
+  if (WIFSIGNALED(status)) {
+    snprintf(line, sizeof line, "signal %d\n", WTERMSIG(status));
+    code = 128 + WTERMSIG(status);
+  } else {
+    snprintf(line, sizeof line, "exit %d\n", WEXITSTATUS(status));
+    code = WEXITSTATUS(status);
+  }
+  std::string tmp = exit_file + ".tmp";
+  int fd = open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd >= 0) {
+    ssize_t w = write(fd, line, strlen(line));
+    fsync(fd);
+    close(fd);
+    if (w > 0) rename(tmp.c_str(), exit_file.c_str());
+  }
+  _exit(code);
+}
+
+}  // namespace bb::daemon

@@ -1,0 +1,49 @@
+// Durable records: every submission, every task's fate and every enforcement action, in an
+// SQLite database in WAL mode. A write returns only once it is on disk, so an agent killed at
+// any point loses nothing it has acknowledged.
+#pragma once
+
+#include "daemon/task.h"
+
+#include <sqlite3.h>
+
+#include <string>
+#include <vector>
+
+namespace bb::daemon {
+
+class Store {
+ public:
+  Store() = default;
+  ~Store();
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+
+  // Opens (creating if needed) the database. Returns "" or an error sentence.
+  std::string open(const std::string& path);
+
+  // Inserts a new task and sets row->id.
+  bool insert_task(TaskRow* row);
+  bool update_task(const TaskRow& row);
+  // Every task, oldest first.
+  std::vector<TaskRow> load_tasks();
+  bool insert_action(const ActionRow& action);
+  // The newest `limit` actions (0 = all), oldest first.
+  std::vector<ActionRow> load_actions(uint32_t limit);
+  uint64_t count_actions();
+
+  std::string get_meta(const std::string& key);
+  bool set_meta(const std::string& key, const std::string& value);
+
+  const std::string& last_error() const { return error_; }
+
+ private:
+  bool exec(const char* sql);
+  sqlite3_stmt* prepare(const char* sql);
+  bool fail(const char* what);
+
+  sqlite3* db_ = nullptr;
+  std::string error_;
+};
+
+}  // namespace bb::daemon

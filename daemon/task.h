@@ -1,0 +1,65 @@
+// The agent's record of a side task: what was submitted and what became of it.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace bb::daemon {
+
+struct TaskSpec {
+  std::string name;
+  std::vector<std::string> argv;
+  std::vector<std::string> env;  // KEY=VALUE
+  std::string cwd;
+  std::string hub = "auto";      // "auto" or "JOB:RANK"
+  int32_t gpu = -1;
+  int32_t priority = 0;
+  uint64_t mem_need = 0;
+  int32_t mps_priority = -1;
+  std::string mps_mem_limit;
+};
+
+// Task states. Live states: queued, running, stopped (SIGSTOPped by enforcement), stopping
+// (cancel or re-placement asked, waiting for the exit). Final: finished, failed, killed,
+// cancelled, lost (gone while the agent was down, with no recorded status).
+inline bool state_is_final(const std::string& s) {
+  return s == "finished" || s == "failed" || s == "killed" || s == "cancelled" || s == "lost";
+}
+
+struct TaskRow {
+  int64_t id = 0;
+  TaskSpec spec;
+  std::string state = "queued";
+  std::string origin = "submitted";  // or "attached"
+  std::string hub;                   // JOB:RANK placed on
+  pid_t pid = 0;                     // the launch wrapper (process group leader); or the
+                                     // attached task's own pid
+  uint64_t pid_start = 0;            // its start time, to tell a reused pid apart
+  int32_t exit_code = 0;
+  int32_t signal = 0;
+  uint32_t violations = 0;
+  uint32_t attempts = 0;
+  int64_t submitted_at = 0;          // Unix ms
+  int64_t started_at = 0;
+  int64_t ended_at = 0;
+  std::string message;
+  uint64_t steps = 0;
+  uint64_t ns_in_bubbles = 0;
+  std::string requeue_note;  // why a launched task waits again (kept in memory only)
+};
+
+struct ActionRow {
+  int64_t at_ms = 0;
+  int64_t task = 0;
+  pid_t pid = 0;
+  std::string hub;
+  std::string action;
+  std::string detail;
+};
+
+int64_t wall_ms();
+
+}  // namespace bb::daemon

@@ -1,0 +1,568 @@
+// The task side of the agent: submissions, placement, launch with the task's environment, exit
+// supervision (children through libuv, re-adopted processes through a pidfd), graceful stop and
+// re-placement, and re-adoption after a restart.
+#include "daemon/agent.h"
+#include "daemon/placement.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+extern char** environ;
+
+namespace bb::daemon {
+
+struct TaskCallbacks {
+  static void on_exit(uv_process_t* p, int64_t exit_status, int term_signal) {
+    auto* lt = static_cast<LiveTask*>(p->data);
+    ExitStatus st;
+    st.known = true;
+    st.code = static_cast<int>(exit_status);
+    st.signal = term_signal;
+    if (term_signal) st.code = 128 + term_signal;
+    lt->agent->on_task_exit(lt, st);
+  }
+  static void on_pidfd(uv_poll_t* p, int, int) {
+    auto* lt = static_cast<LiveTask*>(p->data);
+    ExitStatus st;  // not our child: only the launch wrapper's exit file knows the status
+    lt->agent->on_task_exit(lt, st);
+  }
+  static void on_stop_timer(uv_timer_t* t) {
+    auto* lt = static_cast<LiveTask*>(t->data);
+    lt->agent->on_stop_timer(lt);
+  }
+};
+
+LiveTask* Agent::live(int64_t id) {
+  auto it = live_.find(id);
+  return it == live_.end() ? nullptr : it->second.get();
+}
+
+void Agent::release_live(int64_t id) {
+  auto it = live_.find(id);
+  if (it == live_.end()) return;
+  LiveTask* lt = it->second.get();
+  if (lt->proc) close_and_delete(lt->proc);
+  if (lt->pidfd_poll) {
+    uv_poll_stop(lt->pidfd_poll);
+    close_and_delete(lt->pidfd_poll);
+  }
+  if (lt->pidfd >= 0) close(lt->pidfd);
+  if (lt->stop_timer) {
+    uv_timer_stop(lt->stop_timer);
+    close_and_delete(lt->stop_timer);
+  }
+  live_.erase(it);
+}
+
+void Agent::save(const TaskRow& row) {
+  if (!store_.update_task(row)) {
+    agent_log("cannot save task #%lld: %s", static_cast<long long>(row.id),
+              store_.last_error().c_str());
+  }
+}
+
+void Agent::record(const TaskRow* row, pid_t pid, const std::string& hub,
+                   const std::string& action, const std::string& detail) {
+  ActionRow a;
+  a.at_ms = wall_ms();
+  a.task = row ? row->id : 0;
+  a.pid = pid;
+  a.hub = hub;
+  a.action = action;
+  a.detail = detail;
+  ++actions_by_kind_[action];
+  if (!store_.insert_action(a)) {
+    agent_log("cannot record action: %s", store_.last_error().c_str());
+  }
+  agent_log("%s task #%lld (pid %d) on %s: %s", action.c_str(),
+            static_cast<long long>(a.task), pid, hub.c_str(), detail.c_str());
+}
+
+void Agent::finish_row(TaskRow* row, const std::string& state, const std::string& message) {
+  row->state = state;
+  row->message = message;
+  row->ended_at = wall_ms();
+  ++ended_by_state_[state];
+  save(*row);
+  agent_log("task #%lld %s: %s", static_cast<long long>(row->id), state.c_str(),
+            message.c_str());
+}
+
+std::string Agent::log_path(int64_t id, bool err) const {
+  return cfg_.state_dir + "/logs/" + std::to_string(id) + (err ? ".err" : ".out");
+}
+
+uint64_t Agent::granted_on(const std::string& hub) const {
+  uint64_t sum = 0;
+  for (const auto& [id, row] : tasks_) {
+    if (row.hub == hub && !state_is_final(row.state) && row.state != "queued") {
+      sum += row.spec.mem_need;
+    }
+  }
+  return sum;
+}
+
+std::string Agent::submit(const TaskSpec& spec, int64_t* id) {
+  TaskRow row;
+  row.spec = spec;
+  row.state = "queued";
+  row.submitted_at = wall_ms();
+  row.message = "waiting for placement";
+  if (!store_.insert_task(&row)) {
+    return "cannot record the submission: " + store_.last_error() +
+           " (check the disk holding " + cfg_.state_dir + ")";
+  }
+  *id = row.id;
+  tasks_[row.id] = row;
+  ++submitted_;
+  agent_log("task #%lld %s submitted", static_cast<long long>(row.id), spec.name.c_str());
+  schedule();
+  update_timers();
+  return "";
+}
+
+void Agent::schedule() {
+  if (closing_) return;
+  std::vector<TaskRow*> queue;
+  for (auto& [id, row] : tasks_) {
+    if (row.state == "queued") queue.push_back(&row);
+  }
+  if (queue.empty()) return;
+  std::stable_sort(queue.begin(), queue.end(), [](const TaskRow* a, const TaskRow* b) {
+    return a->spec.priority > b->spec.priority;
+  });
+  std::vector<HubCandidate> cands;
+  std::vector<Hub*> hubs;
+  for (auto& [name, hub] : hubs_) {
+    HubCandidate c;
+    c.name = name;
+    c.alive = hub->alive;
+    c.draining = hub->draining;
+    c.had_bubble = hub->snap.bubbles > 0 || hub->snap.in_bubble;
+    c.free_mem = hub->snap.free_mem;
+    c.granted = granted_on(name);
+    uint32_t placed = 0;
+    for (const auto& [id, row] : tasks_) {
+      if (row.hub == name && !state_is_final(row.state) && row.state != "queued") ++placed;
+    }
+    c.tasks = std::max<uint32_t>(placed, static_cast<uint32_t>(hub->snap.tasks.size()));
+    c.free_slots = hub->snap.max_slots > c.tasks ? hub->snap.max_slots - c.tasks : 0;
+    cands.push_back(c);
+    hubs.push_back(hub.get());
+  }
+  for (TaskRow* row : queue) {
+    if (draining_) {
+      if (row->message != "the agent is draining: run `bubblectl undrain` to launch tasks") {
+        row->message = "the agent is draining: run `bubblectl undrain` to launch tasks";
+      }
+      continue;
+    }
+    PlaceResult pr = place_task(row->spec, cands);
+    if (pr.hub < 0) {
+      row->message = (row->requeue_note.empty() ? "queued: "
+                                                : "re-placing (" + row->requeue_note + "): ") +
+                     pr.reason;
+      continue;
+    }
+    Hub* hub = hubs[static_cast<size_t>(pr.hub)];
+    std::string err = launch(row, hub);
+    if (!err.empty()) {
+      row->exit_code = 127;
+      finish_row(row, "failed", err);
+      continue;
+    }
+    HubCandidate& c = cands[static_cast<size_t>(pr.hub)];
+    c.granted += row->spec.mem_need;
+    c.tasks += 1;
+    if (c.free_slots) c.free_slots -= 1;
+  }
+}
+
+std::string Agent::launch(TaskRow* row, Hub* hub) {
+  if (row->attempts >= cfg_.max_attempts) {
+    return "launched " + std::to_string(row->attempts) + " times without finishing (limit " +
+           std::to_string(cfg_.max_attempts) + ")";
+  }
+  std::string logs = cfg_.state_dir + "/logs";
+  int out = open(log_path(row->id, false).c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+  int err = open(log_path(row->id, true).c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+  int devnull = open("/dev/null", O_RDONLY | O_CLOEXEC);
+  auto close_fds = [&] {
+    if (out >= 0) close(out);
+    if (err >= 0) close(err);
+    if (devnull >= 0) close(devnull);
+  };
+  if (out < 0 || err < 0 || devnull < 0) {
+    std::string e = "cannot open the task's log files in " + logs + ": " + strerror(errno);
+    close_fds();
+    return e;
+  }
+  std::string exit_file = cfg_.state_dir + "/run/" + std::to_string(row->id) + ".exit";
+  unlink(exit_file.c_str());
+
+  // Environment: the agent's, then the submission's, then what tells the task where it runs.
+  std::vector<std::string> env;
+  std::map<std::string, size_t> index;
+  auto put = [&](const std::string& kv) {
+    std::string key = kv.substr(0, kv.find('='));
+    auto it = index.find(key);
+    if (it != index.end()) {
+      env[it->second] = kv;
+    } else {
+      index[key] = env.size();
+      env.push_back(kv);
+    }
+  };
+  for (char** e = environ; *e; ++e) put(*e);
+  for (const auto& kv : row->spec.env) put(kv);
+  int gpu = row->spec.gpu;
+  if (gpu < 0) {
+    auto it = cfg_.hub_gpu.find(hub->name);
+    gpu = it != cfg_.hub_gpu.end() ? it->second : static_cast<int>(hub->rank);
+  }
+  put("BUBBLE_JOB=" + hub->job);
+  put("BUBBLE_RANK=" + std::to_string(hub->rank));
+  put("BUBBLE_RUNTIME_DIR=" + cfg_.runtime_dir);
+  put("BUBBLE_TASK_ID=" + std::to_string(row->id));
+  put("BUBBLE_TASK_NAME=" + row->spec.name);
+  put("BUBBLE_PRIORITY=" + std::to_string(row->spec.priority));
+  put("BUBBLE_MEM_NEED=" + std::to_string(row->spec.mem_need));
+  put("CUDA_VISIBLE_DEVICES=" + std::to_string(gpu));
+  if (row->spec.mps_priority >= 0) {
+    put("CUDA_MPS_CLIENT_PRIORITY=" + std::to_string(row->spec.mps_priority));
+  }
+  if (!row->spec.mps_mem_limit.empty()) {
+    // With one visible device the task sees it as device 0.
+    std::string v = row->spec.mps_mem_limit;
+    if (v.find('=') == std::string::npos) v = "0=" + v;
+    put("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=" + v);
+  }
+
+  std::vector<std::string> args = {cfg_.self_exe, "--exec-task", exit_file, "--"};
+  for (const auto& a : row->spec.argv) args.push_back(a);
+  std::vector<char*> argv, envp;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  for (auto& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
+
+  uv_stdio_container_t stdio[3];
+  stdio[0].flags = UV_INHERIT_FD;
+  stdio[0].data.fd = devnull;
+  stdio[1].flags = UV_INHERIT_FD;
+  stdio[1].data.fd = out;
+  stdio[2].flags = UV_INHERIT_FD;
+  stdio[2].data.fd = err;
+
+  auto lt = std::make_unique<LiveTask>();
+  lt->agent = this;
+  lt->id = row->id;
+  lt->proc = new uv_process_t;
+  lt->proc->data = lt.get();
+  uv_process_options_t opts{};
+  opts.exit_cb = TaskCallbacks::on_exit;
+  opts.file = cfg_.self_exe.c_str();
+  opts.args = argv.data();
+  opts.env = envp.data();
+  opts.cwd = row->spec.cwd.empty() ? nullptr : row->spec.cwd.c_str();
+  // Its own session and process group: signals reach the whole task, and the task outlives an
+  // agent restart.
+  opts.flags = UV_PROCESS_DETACHED;
+  opts.stdio_count = 3;
+  opts.stdio = stdio;
+  int rc = uv_spawn(loop_, lt->proc, &opts);
+  close_fds();
+  if (rc < 0) {
+    close_and_delete(lt->proc);
+    lt->proc = nullptr;
+    return std::string("cannot start the task: ") + uv_strerror(rc) +
+           (row->spec.cwd.empty() ? "" : " (check --cwd " + row->spec.cwd + ")");
+  }
+  row->pid = lt->proc->pid;
+  ProcStat ps;
+  row->pid_start = read_proc_stat(row->pid, &ps) ? ps.start_time : 0;
+  row->hub = hub->name;
+  row->state = "running";
+  row->started_at = wall_ms();
+  row->ended_at = 0;
+  row->exit_code = 0;
+  row->signal = 0;
+  row->attempts += 1;
+  row->requeue_note.clear();
+  row->message = "launched on hub " + hub->name + " (GPU " + std::to_string(gpu) + ")";
+  live_[row->id] = std::move(lt);
+  ++launches_;
+  save(*row);
+  agent_log("task #%lld launched on %s, pid %d", static_cast<long long>(row->id),
+            hub->name.c_str(), row->pid);
+  update_timers();
+  return "";
+}
+
+void Agent::on_task_exit(LiveTask* lt, ExitStatus st) {
+  if (lt->exited) return;
+  lt->exited = true;
+  auto it = tasks_.find(lt->id);
+  if (it == tasks_.end()) {
+    release_live(lt->id);
+    return;
+  }
+  TaskRow& row = it->second;
+  ExitStatus file;
+  std::string exit_file = cfg_.state_dir + "/run/" + std::to_string(row.id) + ".exit";
+  if (read_exit_file(exit_file, &file)) st = file;  // the task's own status, not the wrapper's
+  unlink(exit_file.c_str());
+  bool killed = lt->killed_by_agent, cancel = lt->cancel, replace = lt->replace;
+  release_live(row.id);
+  row.exit_code = st.known ? st.code : -1;
+  row.signal = st.signal;
+  for (auto& [name, hub] : hubs_) {
+    for (auto h = hub->task_rows.begin(); h != hub->task_rows.end();) {
+      h = h->second == row.id ? hub->task_rows.erase(h) : std::next(h);
+    }
+  }
+  auto hub = hubs_.find(row.hub);
+  bool hub_alive = hub != hubs_.end() && hub->second->alive;
+  std::string how = !st.known ? "exit status unknown"
+                    : st.signal ? "killed by signal " + std::to_string(st.signal)
+                                : "exit code " + std::to_string(st.code);
+  if (killed) {
+    finish_row(&row, "killed", "killed for not pausing (" + row.message + ")");
+  } else if (cancel) {
+    finish_row(&row, "cancelled", "cancelled (" + how + ")");
+  } else if (replace || (!hub_alive && !(st.known && st.signal == 0 && st.code == 0))) {
+    if (row.attempts >= cfg_.max_attempts) {
+      finish_row(&row, "failed", "its hub went away " + std::to_string(row.attempts) +
+                                     " times (" + how + ")");
+    } else {
+      row.state = "queued";
+      row.requeue_note = hub_alive ? "hub " + row.hub + " drained" : "hub " + row.hub + " went away";
+      row.message = "re-placing: " + row.requeue_note + " (" + how + ")";
+      row.pid = 0;
+      row.pid_start = 0;
+      row.hub.clear();
+      save(row);
+      agent_log("task #%lld queued again: %s", static_cast<long long>(row.id),
+                row.message.c_str());
+    }
+  } else if (st.known && st.signal == 0 && st.code == 0) {
+    finish_row(&row, "finished", "finished (exit code 0)");
+  } else {
+    finish_row(&row, "failed", "failed (" + how + "; see `bubblectl logs " +
+                                   std::to_string(row.id) + " --stderr`)");
+  }
+  schedule();
+  update_timers();
+}
+
+void Agent::signal_task(const TaskRow& row, int sig) {
+  if (row.pid <= 0) return;
+  // Never signal a process that merely reuses the pid.
+  if (row.pid_start && !same_process(row.pid, row.pid_start)) return;
+  if (row.origin == "attached") {
+    kill(row.pid, sig);
+  } else {
+    kill(-row.pid, sig);
+  }
+}
+
+void Agent::terminate(TaskRow* row, const std::string& why) {
+  LiveTask* lt = live(row->id);
+  if (row->state == "stopped") {
+    signal_task(*row, SIGCONT);
+    record(row, row->pid, row->hub, "continue", "to let it stop: " + why);
+  }
+  row->state = "stopping";
+  row->message = "stopping: " + why;
+  save(*row);
+  // Gracefully first, through the hub (the task sees BB_E_STOPPED), else by SIGTERM.
+  bool asked = false;
+  auto hit = hubs_.find(row->hub);
+  if (hit != hubs_.end() && hit->second->alive && hit->second->obs) {
+    for (const auto& [hid, rid] : hit->second->task_rows) {
+      if (rid != row->id) continue;
+      std::string err;
+      if (hit->second->obs->stop_task(hid, &err) == BB_OK) asked = true;
+    }
+  }
+  if (!lt) return;
+  lt->stop_stage = asked ? 0 : 1;
+  if (!asked) signal_task(*row, SIGTERM);
+  if (!lt->stop_timer) {
+    lt->stop_timer = new uv_timer_t;
+    uv_timer_init(loop_, lt->stop_timer);
+    lt->stop_timer->data = lt;
+  }
+  uv_timer_start(lt->stop_timer, TaskCallbacks::on_stop_timer, cfg_.stop_timeout_ns / 1'000'000,
+                 0);
+}
+
+void Agent::on_stop_timer(LiveTask* lt) {
+  auto it = tasks_.find(lt->id);
+  if (it == tasks_.end() || lt->exited) return;
+  TaskRow& row = it->second;
+  if (lt->stop_stage == 0) {
+    lt->stop_stage = 1;
+    signal_task(row, SIGTERM);
+    uv_timer_start(lt->stop_timer, TaskCallbacks::on_stop_timer,
+                   cfg_.stop_timeout_ns / 1'000'000, 0);
+  } else {
+    signal_task(row, SIGKILL);
+    record(&row, row.pid, row.hub, "kill", "did not stop within the stop timeout");
+  }
+}
+
+std::string Agent::cancel(int64_t id, std::string* done) {
+  auto it = tasks_.find(id);
+  if (it == tasks_.end()) {
+    return "no task #" + std::to_string(id) + ": see `bubblectl list --all`";
+  }
+  TaskRow& row = it->second;
+  if (state_is_final(row.state)) {
+    return "task #" + std::to_string(id) + " already ended (" + row.state + ")";
+  }
+  if (row.state == "queued") {
+    finish_row(&row, "cancelled", "cancelled before it was placed");
+    *done = "task #" + std::to_string(id) + " cancelled";
+    return "";
+  }
+  if (row.origin == "attached") {
+    auto hit = hubs_.find(row.hub);
+    std::string err = "its hub is gone";
+    bool ok = false;
+    if (hit != hubs_.end() && hit->second->obs) {
+      for (const auto& [hid, rid] : hit->second->task_rows) {
+        if (rid == id && hit->second->obs->stop_task(hid, &err) == BB_OK) ok = true;
+      }
+    }
+    if (!ok) return "cannot stop attached task #" + std::to_string(id) + ": " + err;
+    record(&row, row.pid, row.hub, "cancel", "asked the attached task to stop");
+    *done = "task #" + std::to_string(id) + " asked to stop";
+    return "";
+  }
+  LiveTask* lt = live(id);
+  if (lt) lt->cancel = true;
+  record(&row, row.pid, row.hub, "cancel", "cancel requested");
+  terminate(&row, "cancel requested");
+  *done = "task #" + std::to_string(id) + " is stopping";
+  return "";
+}
+
+std::string Agent::drain(const std::string& hub_name, bool undo, std::string* done) {
+  if (hub_name.empty()) {
+    draining_ = !undo;
+    store_.set_meta("draining", draining_ ? "1" : "0");
+    *done = draining_ ? "the agent is draining: running tasks go on, queued ones wait"
+                      : "the agent launches queued tasks again";
+    schedule();
+    return "";
+  }
+  auto it = hubs_.find(hub_name);
+  if (it == hubs_.end()) {
+    return "no hub " + hub_name + ": see `bubblectl status` for the hubs the agent knows";
+  }
+  Hub* hub = it->second.get();
+  hub->draining = !undo;
+  if (undo) {
+    *done = "hub " + hub_name + " takes tasks again";
+    schedule();
+    return "";
+  }
+  int moved = 0;
+  for (auto& [id, row] : tasks_) {
+    if (row.hub != hub_name || row.origin != "submitted") continue;
+    if (row.state != "running" && row.state != "stopped") continue;
+    LiveTask* lt = live(id);
+    if (!lt) continue;
+    lt->replace = true;
+    record(&row, row.pid, hub_name, "replace", "its hub is draining: re-placing the task");
+    terminate(&row, "its hub is draining");
+    ++moved;
+  }
+  *done = "hub " + hub_name + " is draining: " + std::to_string(moved) +
+          " task(s) moving to other hubs";
+  return "";
+}
+
+void Agent::watch_pidfd(TaskRow* row) {
+  int fd = static_cast<int>(syscall(SYS_pidfd_open, row->pid, 0));
+  auto lt = std::make_unique<LiveTask>();
+  lt->agent = this;
+  lt->id = row->id;
+  LiveTask* raw = lt.get();
+  live_[row->id] = std::move(lt);
+  if (fd < 0) {
+    // Gone between the check and now.
+    on_task_exit(raw, ExitStatus{});
+    return;
+  }
+  raw->pidfd = fd;
+  raw->pidfd_poll = new uv_poll_t;
+  uv_poll_init(loop_, raw->pidfd_poll, fd);
+  raw->pidfd_poll->data = raw;
+  uv_poll_start(raw->pidfd_poll, UV_READABLE, TaskCallbacks::on_pidfd);
+}
+
+void Agent::readopt_tasks() {
+  for (TaskRow& row : store_.load_tasks()) tasks_[row.id] = row;
+  draining_ = store_.get_meta("draining") == "1";
+  for (auto& [id, row] : tasks_) {
+    if (state_is_final(row.state) || row.state == "queued") continue;
+    bool alive = row.pid > 0 && same_process(row.pid, row.pid_start);
+    if (row.origin == "attached") {
+      if (!alive) finish_row(&row, "lost", "ended while the agent was down");
+      // Alive: matched again by pid when its hub's snapshot shows it.
+      continue;
+    }
+    if (alive) {
+      agent_log("re-adopting task #%lld (pid %d)", static_cast<long long>(id), row.pid);
+      watch_pidfd(&row);
+      if (row.state == "stopped") {
+        // Its escalation state died with the old agent: let it run; a new violation counts.
+        signal_task(row, SIGCONT);
+        record(&row, row.pid, row.hub, "continue", "the agent restarted");
+        row.state = "running";
+        save(row);
+      } else if (row.state == "stopping") {
+        LiveTask* lt = live(id);
+        if (lt) lt->cancel = row.message.find("cancel") != std::string::npos;
+        if (lt) lt->replace = !lt->cancel;
+        terminate(&row, "stop requested before the agent restarted");
+      }
+      continue;
+    }
+    pending_dead_.push_back(id);
+  }
+}
+
+void Agent::settle_dead_tasks() {
+  std::vector<int64_t> dead;
+  dead.swap(pending_dead_);
+  for (int64_t id : dead) {
+    auto it = tasks_.find(id);
+    if (it == tasks_.end()) continue;
+    TaskRow& row = it->second;
+    // Ended while the agent was down: the launch wrapper left its status.
+    ExitStatus st;
+    std::string exit_file = cfg_.state_dir + "/run/" + std::to_string(id) + ".exit";
+    if (!read_exit_file(exit_file, &st)) {
+      finish_row(&row, "lost", "ended while the agent was down, with no exit status recorded");
+      continue;
+    }
+    auto lt = std::make_unique<LiveTask>();
+    lt->agent = this;
+    lt->id = id;
+    lt->cancel = row.state == "stopping" && row.message.find("cancel") != std::string::npos;
+    LiveTask* raw = lt.get();
+    live_[id] = std::move(lt);
+    on_task_exit(raw, st);
+  }
+}
+
+}  // namespace bb::daemon
