@@ -29,6 +29,14 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 
+# The node agent watches the hubs (it adopts the side tasks started below), polices pauses and
+# draws the timeline. Its pause grace is raised from 5 ms to 25 ms here: the demo packs 4
+# trainers, 8 side tasks and the agent onto whatever cores the machine has (2 on a small VM), so
+# a task can be descheduled for a few milliseconds through no fault of its own.
+"$bin/daemon/bubbled" --state-dir "$run/state" --metrics-port 0 --grace-ms 25 \
+  > "$run/bubbled.log" 2>&1 &
+pids+=($!)
+
 stages=4
 echo "== a ${stages}-stage 1F1B pipeline, 8 micro-batches, forward 4 ms, backward 8 ms per stage"
 echo "   (trainer_sim sleeps where a GPU would compute; see examples/trainer_sim/README.md)"
@@ -39,30 +47,45 @@ for ((r = 0; r < stages; r++)); do
     --duration-s "$duration" --progress-s 5 --json > "$run/trainer$r.out" 2> "$run/trainer$r.err" &
   pids+=($!)
 done
-# Wait for the hubs, then attach two PageRank tasks per stage: an elastic one that fills each
-# bubble to its end, and a lower-priority one that gets bubbles the first is not ready for.
+# Wait for the hubs, then attach an elastic PageRank task to each (it shrinks its last step of a
+# bubble to the time left). Stage 0 gets a second, lower-priority task, which runs in the bubbles
+# the first is not ready for. (Side tasks would use the GPU; here they use CPU cores, so the demo
+# keeps their number near what the machine's cores can run.)
 for ((r = 0; r < stages; r++)); do
   for _ in $(seq 100); do [ -S "$BUBBLE_RUNTIME_DIR/demo.$r.sock" ] && break; sleep 0.05; done
   "$bin/examples/c_task/c_task" --job demo --rank "$r" --name "pagerank-$r" --elastic \
-    --chunk 50000 --prio 1 > "$run/task$r.out" 2>&1 &
-  pids+=($!)
-  "$bin/examples/c_task/c_task" --job demo --rank "$r" --name "pagerank-lo-$r" --nodes 50000 \
-    --chunk 20000 > "$run/task$r.lo.out" 2>&1 &
+    --chunk 20000 --prio 1 > "$run/task$r.out" 2>&1 &
   pids+=($!)
 done
+"$bin/examples/c_task/c_task" --job demo --rank 0 --name "pagerank-low" --nodes 50000 \
+  --chunk 10000 > "$run/task0.low.out" 2>&1 &
+pids+=($!)
 
 start=$(date +%s)
+svg="$bin/demo-timeline.svg"
+drawn=0
 while :; do
   alive=0
-  for ((r = 0; r < stages; r++)); do kill -0 "${pids[$r]}" 2>/dev/null && alive=1; done
+  for ((r = 1; r <= stages; r++)); do kill -0 "${pids[$r]}" 2>/dev/null && alive=1; done
   ((alive)) || break
-  sleep 5
+  sleep 1
   now=$(($(date +%s) - start))
   ((now > duration + 30)) && { echo "trainers did not finish in time" >&2; exit 1; }
-  line="$(tail -n 1 "$run/trainer0.err" 2>/dev/null || true)"
-  [ -n "$line" ] && echo "   stage 0 $line"
+  if ((now % 5 == 0)); then
+    line="$(tail -n 1 "$run/trainer0.err" 2>/dev/null || true)"
+    [ -n "$line" ] && echo "   stage 0 $line"
+  fi
+  # Near the end, while the pipeline still runs, ask the agent for its view.
+  if ((!drawn && now >= duration - 3)); then
+    drawn=1
+    echo "== the node agent's view (bubblectl status)"
+    "$bin/daemon/bubblectl" status 2>&1 | sed 's/^/   /' || true
+    "$bin/daemon/bubblectl" actions 2>&1 | tail -n 5 | sed 's/^/   /' || true
+    "$bin/daemon/bubblectl" timeline --seconds 0.2 -o "$svg" > /dev/null 2>&1 &&
+      echo "   timeline of the last 0.2 s (bubbles and side-task steps per hub): $svg"
+  fi
 done
-for ((r = 0; r < stages; r++)); do wait "${pids[$r]}"; done
+for ((r = 1; r <= stages; r++)); do wait "${pids[$r]}"; done
 sleep 0.3  # the side tasks notice their trainers closed and print their results
 
 echo
