@@ -228,4 +228,88 @@ bb_status bb_task_run(bb_task_h task, const bb_task_callbacks_t* callbacks) {
   BB_GUARD(return task->impl->run(cbs));
 }
 
+// ---- Memory grants ----
+
+void bb_lend_options_init(bb_lend_options_t* opts) {
+  if (opts) *opts = bb_lend_options_t BB_LEND_OPTIONS_INIT;
+}
+
+bb_status bb_trainer_lend(bb_trainer_h trainer, const bb_lend_options_t* opts) {
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
+  if (!opts)
+    return fail(BB_E_INVALID, "opts is NULL: lending needs at least the bytes to lend "
+                "(bb_lend_options_init, then set bytes)");
+  bb_lend_options_t o;
+  bb_status st = read_options(opts, bb_lend_options_t BB_LEND_OPTIONS_INIT,
+                              sizeof(bb_lend_options_t), "bb_lend_options_t", &o);
+  if (st != BB_OK) return st;
+  bb::core::LendOptions lo;
+  switch (o.backend) {
+    case BB_GRANT_HOST: lo.backend = bb::core::GrantBackend::kHost; break;
+    case BB_GRANT_CUDA_IPC: lo.backend = bb::core::GrantBackend::kCudaIpc; break;
+    case BB_GRANT_CUDA_VMM: lo.backend = bb::core::GrantBackend::kCudaVmm; break;
+    default:
+      return fail(BB_E_INVALID, "backend %u is not a bb_grant_backend: use BB_GRANT_HOST, "
+                  "BB_GRANT_CUDA_IPC or BB_GRANT_CUDA_VMM", o.backend);
+  }
+  if (o.max_grants == 0 || o.max_grants > 4096)
+    return fail(BB_E_INVALID, "max_grants %u is out of range 1..4096", o.max_grants);
+  if (o.device < 0) return fail(BB_E_INVALID, "device %d is not a CUDA device ordinal", o.device);
+  if (o.auto_grant > 1) return fail(BB_E_INVALID, "auto_grant is %u: use 0 or 1", o.auto_grant);
+  lo.bytes = o.bytes;
+  lo.max_grants = o.max_grants;
+  lo.device = o.device;
+  lo.device_ptr = o.device_ptr;
+  lo.alignment = o.alignment;
+  BB_GUARD(return trainer->impl->lend(lo, o.auto_grant != 0));
+}
+
+bb_status bb_trainer_grant(bb_trainer_h trainer, uint64_t task_id, uint64_t bytes,
+                           uint64_t* grant_id) {
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
+  BB_GUARD(return trainer->impl->grant(task_id, bytes, grant_id));
+}
+
+bb_status bb_trainer_revoke(bb_trainer_h trainer, uint64_t task_id, uint64_t deadline_ns) {
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
+  BB_GUARD(return trainer->impl->revoke(task_id, deadline_ns));
+}
+
+bb_status bb_trainer_task_grant(bb_trainer_h trainer, uint64_t task_id, bb_grant_info_t* out) {
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
+  if (!out) return fail(BB_E_INVALID, "out is NULL");
+  bb_grant_info_t info{};
+  info.size = sizeof info;
+  bb_status st;
+  BB_GUARD(st = trainer->impl->task_grant(task_id, &info));
+  if (st != BB_OK) return st;
+  return write_out(info, out, "out");
+}
+
+bb_status bb_trainer_grant_stats(bb_trainer_h trainer, bb_grant_stats_t* out) {
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
+  bb_grant_stats_t s{};
+  s.size = sizeof s;
+  trainer->impl->grant_stats(&s);
+  return write_out(s, out, "out");
+}
+
+bb_status bb_task_grant(bb_task_h task, bb_task_grant_t* out) {
+  if (!task) return fail(BB_E_INVALID, "task is NULL");
+  if (!out || out->size < sizeof(uint32_t) * 2)
+    return fail(BB_E_INVALID, "out is NULL or out->size is not set: set it to "
+                "sizeof(bb_task_grant_t)");
+  bb_task_grant_t g{};
+  g.size = sizeof g;
+  bb_status st;
+  BB_GUARD(st = task->impl->grant(&g));
+  if (st != BB_OK) return st;
+  return write_out(g, out, "out");
+}
+
+bb_status bb_task_ack_revoke(bb_task_h task) {
+  if (!task) return fail(BB_E_INVALID, "task is NULL");
+  BB_GUARD(return task->impl->ack_revoke());
+}
+
 }  // extern "C"

@@ -76,6 +76,10 @@ enum class EventType : uint16_t {
   kTaskAttach = 6,   // slot; a = pid
   kTaskDetach = 7,   // slot; a = pid, b = 1 if it died
   kTaskFinish = 8,   // slot; a = 0 finished / 1 failed
+  kGrant = 9,          // slot; a = grant id, b = bytes
+  kRevoke = 10,        // slot; a = grant id, b = the deadline to unmap by
+  kGrantRelease = 11,  // slot; a = grant id, b = 1 if its holder was killed or died
+  kTaskKill = 12,      // slot; a = pid, b = the grant id whose revoke it ignored (0: other)
 };
 
 struct Event {

@@ -11,6 +11,7 @@
 
 #include "core/clock.h"
 #include "core/error.h"
+#include "core/grant_wire.h"
 #include "core/paths.h"
 #include "shm/futex.h"
 #include "shm/wire.h"
@@ -61,10 +62,27 @@ Task::~Task() {
     if (epoch_ != 0) ack(epoch_, false);
     page_->state.store(uint32_t(shm::TaskRunState::kFinished), std::memory_order_release);
   }
+  // Give the grant back before the connection closes, and one offered but never mapped too: a
+  // task that leaves holding one may be killed by the trainer, since it might go on using it.
+  if (sock_) {
+    (void)drop_grant();
+    GrantWords w;
+    if (read_grant(ctl_, &w) && w.grant_id != 0 && w.grant_id != grant_id_ &&
+        w.grant_id != grant_refused_)
+      give_back(w.grant_id);
+  }
   release();
 }
 
 void Task::release() {
+  // The trainer is gone (or we are): its grant goes with it, unacked.
+  mapping_.reset();
+  grant_id_ = 0;
+  grant_backend_ = GrantBackend::kNone;
+  grant_synced_ = false;
+  grant_refused_ = 0;
+  pending_fd_.reset();
+  pending_fd_id_ = 0;
   ctl_ = nullptr;
   page_ = nullptr;
   hub_.base = nullptr;
@@ -168,6 +186,7 @@ bb_status Task::connect() {
   page_->state.store(uint32_t(shm::TaskRunState::kIdle), std::memory_order_release);
   epoch_ = 0;
   report_cached_head_ = 0;
+  grant_synced_ = false;  // whatever grant_change says now, look at the grant words once
   return BB_OK;
 }
 
@@ -248,12 +267,14 @@ void Task::ack(uint32_t epoch, bool yielded) {
 
 bb_status Task::ack_pause() {
   if (!sock_) return fail(BB_E_TRAINER_GONE, "the task is not attached (its trainer went away)");
-  if (epoch_ == 0) return BB_OK;
-  // A task that acks while the bubble still runs is yielding the rest of it.
-  const bool yielded = ctl_->run_epoch.load(std::memory_order_acquire) == epoch_;
-  ack(epoch_, yielded);
-  epoch_ = 0;
-  return BB_OK;
+  if (epoch_ != 0) {
+    // A task that acks while the bubble still runs is yielding the rest of it.
+    const bool yielded = ctl_->run_epoch.load(std::memory_order_acquire) == epoch_;
+    ack(epoch_, yielded);
+    epoch_ = 0;
+  }
+  // Paused means the task no longer touches its grant: the moment to give back a revoked one.
+  return sync_grant(kUnmap);
 }
 
 bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
@@ -267,6 +288,8 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
   const uint64_t until = timeout_ns < 0 ? UINT64_MAX : start + uint64_t(timeout_ns);
   for (;;) {
     const uint32_t bell = ctl_->doorbell.load(std::memory_order_acquire);
+    // After loading the bell: a grant change made after this look also moves the bell.
+    if (const bb_status gs = sync_grant(kUnmap | kMap); gs != BB_OK) return gs;
     shm::Command cmd;
     for (;;) {
       const shm::RingStatus rs = shm::ring_pop(ctl_->commands, page_->cmd_head, &cmd);
@@ -282,6 +305,13 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
         ack(cmd.epoch, false);
         continue;
       }
+      if (cmd.grant_id != 0 && cmd.grant_id != grant_id_) {
+        // Started with a grant we have not looked at yet (the bubble thread raced our look).
+        if (const bb_status gs = sync_grant(kUnmap | kMap); gs != BB_OK) {
+          ack(cmd.epoch, false);
+          return gs;
+        }
+      }
       epoch_ = cmd.epoch;
       current_ = cmd;
       page_->started_epoch.store(cmd.epoch, std::memory_order_relaxed);
@@ -294,6 +324,7 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
         out->begin_ns = cmd.begin_ns;
         out->deadline_ns = cmd.deadline_ns;
         out->free_mem = cmd.free_mem;
+        fill_grant(&out->grant_id, &out->grant_ptr, &out->grant_bytes);
       }
       return BB_OK;
     }
@@ -442,6 +473,7 @@ bb_status Task::run(const bb_task_callbacks_t& cbs) {
       si.bubble_seq = info.bubble_seq;
       si.deadline_ns = info.deadline_ns;
       si.free_mem = info.free_mem;
+      fill_grant(&si.grant_id, &si.grant_ptr, &si.grant_bytes);
       time_left(&si.time_left_ns, &si.est_step_ns);
       // Start a step only when it is expected to end before the deadline.
       const uint64_t need = si.est_step_ns ? si.est_step_ns : opts_.min_step_ns;
@@ -477,6 +509,162 @@ bb_status Task::run(const bb_task_callbacks_t& cbs) {
   if (cbs.finish) cbs.finish(user, result);
   if (result != BB_OK) fail_msg(result, message);
   return result;
+}
+
+// ------------------------------------------------------------------------------------------
+// Grants. The trainer's words are read under their seqlock (core/grant_wire.h); what the task
+// does about them is told back through TaskPage::grant_released plus a GrantAck nudge.
+
+void Task::fill_grant(uint64_t* id, void** ptr, uint64_t* bytes) const {
+  const bool held = grant_id_ != 0 && mapping_;
+  *id = held ? grant_id_ : 0;
+  *ptr = held ? mapping_->ptr() : nullptr;
+  *bytes = held ? mapping_->size() : 0;
+}
+
+void Task::give_back(uint64_t id) {
+  page_->grant_mapped.store(0, std::memory_order_relaxed);
+  page_->grant_released.store(id, std::memory_order_release);  // G2
+  auto m = shm::make_msg<shm::GrantAckMsg>(shm::MsgType::kGrantAck);
+  m.grant_id = id;
+  // Only a nudge: if the socket is full the trainer still finds the word at its next tick.
+  (void)shm::send_msg(sock_.get(), &m, sizeof m, nullptr, 0, MSG_DONTWAIT);
+}
+
+bb_status Task::drop_grant() {
+  if (grant_id_ == 0) return BB_OK;
+  std::string err;
+  const uint64_t id = grant_id_;
+  const bb_status st = mapping_ ? mapping_->unmap(&err) : BB_OK;
+  if (st != BB_OK)
+    // Not acked: the memory may still be mapped, and saying otherwise would let the trainer
+    // hand it to another task. The trainer kills us at the revoke's deadline instead.
+    return fail_msg(st, "cannot unmap grant " + std::to_string(id) + ": " + err);
+  mapping_.reset();
+  grant_id_ = 0;
+  grant_backend_ = GrantBackend::kNone;
+  give_back(id);
+  return BB_OK;
+}
+
+bb_status Task::take_grant_fd(uint64_t id, shm::Fd* out) {
+  if (pending_fd_ && pending_fd_id_ == id) {
+    *out = std::move(pending_fd_);
+    pending_fd_id_ = 0;
+    return BB_OK;
+  }
+  for (int k = 0; k < 64; ++k) {
+    alignas(8) char buf[shm::kWireMaxMessage];
+    int fds[2], nfds;
+    const long n = shm::recv_msg(sock_.get(), buf, fds, &nfds, MSG_DONTWAIT);
+    shm::Fd f0(fds[0]), f1(fds[1]);
+    if (n <= 0) break;  // nothing queued, or the trainer left (noticed by the caller's next look)
+    if (nfds != 1 || !shm::check_msg(buf, n, shm::MsgType::kGrantFd, sizeof(shm::GrantFdMsg)))
+      continue;
+    shm::GrantFdMsg m;
+    std::memcpy(&m, buf, sizeof m);
+    if (m.grant_id == id) {
+      *out = std::move(f0);
+      return BB_OK;
+    }
+    if (m.grant_id > id) {  // a later grant's, sent after we read the words: keep it
+      pending_fd_ = std::move(f0);
+      pending_fd_id_ = m.grant_id;
+      break;
+    }
+    // An earlier grant's, which came and went unmapped: its descriptor closes here.
+  }
+  return fail(BB_E_CORRUPT, "grant %llu came without its descriptor: the trainer's libbubble may "
+              "be of another version", (unsigned long long)id);
+}
+
+bb_status Task::map_offered(const shm::GrantRecord& rec) {
+  const Grant g = from_record(rec);
+  std::string err;
+  bb_status st = validate_grant(g, &err);
+  if (st != BB_OK) return fail_msg(st, err);
+  shm::Fd fd;
+  if (g.backend == GrantBackend::kHost || g.backend == GrantBackend::kCudaVmm) {
+    if ((st = take_grant_fd(g.id, &fd)) != BB_OK) return st;
+  }
+  std::unique_ptr<GrantMapping> m;
+  if ((st = map_grant(g, fd.get(), &m, &err)) != BB_OK)
+    return fail_msg(st, "cannot map the " + std::string(grant_backend_name(g.backend)) +
+                            " grant " + std::to_string(g.id) + " of " + std::to_string(g.size) +
+                            " bytes the trainer offered: " + err);
+  mapping_ = std::move(m);
+  grant_id_ = g.id;
+  grant_backend_ = g.backend;
+  page_->grant_mapped.store(g.id, std::memory_order_relaxed);
+  return BB_OK;
+}
+
+bb_status Task::sync_grant(unsigned what) {
+  if (!sock_) return BB_OK;
+  const uint32_t change = ctl_->grant_change.load(std::memory_order_acquire);  // G1
+  if (grant_synced_ && change == grant_seen_) return BB_OK;
+  GrantWords w;
+  if (!read_grant(ctl_, &w)) return BB_OK;  // mid-update: the next look sees it
+  const uint64_t held = grant_id_;
+  bool done = true;  // everything the words ask has been done
+  if (held != 0 && (w.revoke_id == held || w.grant_id != held)) {
+    if (!(what & kUnmap)) return BB_OK;  // keep it until a point where unmapping is safe
+    if (const bb_status st = drop_grant(); st != BB_OK) return st;
+  } else if (w.revoke_id != 0 && w.revoke_id != held && w.revoke_id != grant_refused_) {
+    // Revoked before we ever mapped it: say so now rather than at the deadline, and close its
+    // descriptor if it is queued.
+    shm::Fd unused;
+    (void)take_grant_fd(w.revoke_id, &unused);
+    clear_error();
+    give_back(w.revoke_id);
+  }
+  bb_status st = BB_OK;
+  const bool offered = w.grant_id != 0 && w.grant_id != grant_id_ && w.revoke_id != w.grant_id &&
+                       w.grant_id != grant_refused_;
+  if (offered) {
+    if (what & kMap) {
+      if (w.record.id != w.grant_id) {
+        st = fail(BB_E_CORRUPT, "the trainer's grant record does not match grant %llu",
+                  (unsigned long long)w.grant_id);
+      } else {
+        st = map_offered(w.record);
+      }
+      if (st != BB_OK) {
+        // Give it back so the memory is not held for nothing; the trainer offers this task no
+        // more grants until it is told to.
+        grant_refused_ = w.grant_id;
+        give_back(w.grant_id);
+      }
+    } else {
+      done = false;
+    }
+  }
+  if (done) {
+    grant_seen_ = change;
+    grant_synced_ = true;
+  }
+  return st;
+}
+
+bb_status Task::ack_revoke() {
+  if (!sock_) return fail(BB_E_TRAINER_GONE, "the task is not attached (its trainer went away)");
+  return sync_grant(kUnmap);
+}
+
+bb_status Task::grant(bb_task_grant_t* out) {
+  if (!sock_) return fail(BB_E_TRAINER_GONE, "the task is not attached (its trainer went away)");
+  if (const bb_status st = sync_grant(kMap); st != BB_OK) return st;
+  if (grant_id_ == 0 || !mapping_)
+    return fail(BB_E_NOT_FOUND, "this task holds no memory grant: the trainer grants memory it "
+                "lent (bb_trainer_lend) to tasks that state a mem_need, or with bb_trainer_grant");
+  out->backend = uint32_t(grant_backend_);
+  out->id = grant_id_;
+  out->ptr = mapping_->ptr();
+  out->bytes = mapping_->size();
+  out->revoke_deadline_ns = 0;
+  GrantWords w;
+  if (read_grant(ctl_, &w) && w.revoke_id == grant_id_) out->revoke_deadline_ns = w.revoke_deadline_ns;
+  return BB_OK;
 }
 
 }  // namespace bb::core

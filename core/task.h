@@ -1,6 +1,8 @@
 // The side-task runtime: attach to a hub, wait for starts (spin briefly, then sleep on the slot's
 // doorbell futex), tell the trainer about pauses and steps, and the iterative loop that decides
-// whether the next step fits before the bubble's deadline.
+// whether the next step fits before the bubble's deadline. It also maps the memory grant the
+// trainer offers and unmaps it when the trainer revokes it, at points where the task is known
+// not to be using it (see bubble.h, "Memory grants").
 #pragma once
 
 #include <bubble/bubble.h>
@@ -8,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "core/grant.h"
 #include "shm/layout.h"
 #include "shm/segment.h"
 
@@ -22,13 +25,18 @@ class Task {
   Task& operator=(const Task&) = delete;
 
   bb_status wait_start(int64_t timeout_ns, bb_start_info_t* out);
+  // A task holding a grant also pauses when the grant words change (a revoke): the load is of
+  // the same cache line as run_epoch.
   bool should_pause() const {
-    return ctl_->run_epoch.load(std::memory_order_acquire) != epoch_;
+    return ctl_->run_epoch.load(std::memory_order_acquire) != epoch_ ||
+           (grant_id_ != 0 && ctl_->grant_change.load(std::memory_order_relaxed) != grant_seen_);
   }
   bb_status ack_pause();
   bb_status report_step(uint64_t step_ns);
   void time_left(uint64_t* left_ns, uint64_t* est_step_ns) const;
   bb_status run(const bb_task_callbacks_t& cbs);
+  bb_status grant(bb_task_grant_t* out);
+  bb_status ack_revoke();
 
  private:
   Task() = default;
@@ -41,6 +49,14 @@ class Task {
   bool flush_steps();
   void ack(uint32_t epoch, bool yielded);
   void finish_report(bool failed);
+  // Grants: apply what the trainer's grant words say (unmap a revoked grant, map an offered one).
+  enum GrantSync : unsigned { kUnmap = 1, kMap = 2 };
+  bb_status sync_grant(unsigned what);
+  bb_status map_offered(const shm::GrantRecord& rec);
+  bb_status take_grant_fd(uint64_t id, shm::Fd* out);
+  bb_status drop_grant();
+  void give_back(uint64_t id);
+  void fill_grant(uint64_t* id, void** ptr, uint64_t* bytes) const;
 
   // Attach parameters, kept for re-attaching.
   std::string job_, name_, dir_;
@@ -69,6 +85,17 @@ class Task {
   uint64_t est_mean_ = 0, est_dev_ = 0;
   uint64_t steps_ = 0;
   uint64_t longest_bubble_ns_ = 0;  // the longest recent bubble, decaying slowly
+
+  // The mapped grant (grant_id_ != 0) and the trainer's grant words last applied.
+  std::unique_ptr<GrantMapping> mapping_;
+  uint64_t grant_id_ = 0;
+  GrantBackend grant_backend_ = GrantBackend::kNone;
+  uint32_t grant_seen_ = 0;
+  bool grant_synced_ = false;      // grant_seen_ holds a value read from the slot
+  uint64_t grant_refused_ = 0;     // a grant we could not map and gave back: not retried
+  // A grant descriptor received ahead of its record (the trainer sends it first).
+  shm::Fd pending_fd_;
+  uint64_t pending_fd_id_ = 0;
 };
 
 }  // namespace bb::core

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/socket.h>
@@ -17,6 +18,7 @@
 
 #include "core/clock.h"
 #include "core/error.h"
+#include "core/grant_wire.h"
 #include "core/paths.h"
 #include "shm/futex.h"
 #include "shm/wire.h"
@@ -50,6 +52,30 @@ struct Trainer::Slot {
   int conn = -1;                // index into conns_, -1 if none
   bool pending_free = false;
   uint64_t dropped_seen = 0;
+  // Grants. grant_ready is the hand-off to the bubble thread: the grant a START names, 0 while
+  // the task holds none or it is being revoked. Written by the service thread only.
+  std::atomic<uint64_t> grant_ready{0};
+  // Service thread only.
+  uint64_t task_id = 0;         // slot | generation << 32, the lender's owner id
+  uint64_t grant = 0;           // the grant held (active or revoking), 0 = none
+  uint64_t revoke_deadline_ns = 0;
+  bool revoking = false;
+  bool grant_hold = false;      // not granted automatically (revoked, or gave one back)
+  bool killed = false;
+};
+
+// A grant call from another thread, carried out by the service thread (which owns the slots'
+// connections and grant words), so no lock is ever shared with it beyond the queue.
+struct Trainer::Request {
+  enum Op { kGrant, kRevoke, kInfo, kWake } op = kGrant;
+  uint64_t task_id = 0;
+  uint64_t bytes = 0;
+  uint64_t deadline_ns = 0;
+  bb_grant_info_t* info = nullptr;
+  uint64_t grant_id = 0;
+  bb_status status = BB_OK;
+  std::string error;
+  bool done = false;
 };
 
 // A peer on the hub socket: a connection that has not said hello yet, a task, or an observer.
@@ -68,6 +94,21 @@ constexpr uint64_t kServiceTickNs = 10'000'000ull;  // report draining while tas
 constexpr uint64_t kMaxSaneNs = 3600'000'000'000ull;
 
 int pidfd_open(pid_t pid) { return int(syscall(SYS_pidfd_open, pid, 0)); }
+
+// The process behind a pidfd has exited (its memory is gone).
+bool pidfd_dead(int pidfd) {
+  pollfd p{pidfd, POLLIN, 0};
+  return poll(&p, 1, 0) > 0;
+}
+
+constexpr uint64_t kDefaultRevokeNs = 1'000'000'000ull;
+// A task whose connection closed while it held a grant is given this long to be reported dead
+// by its pidfd (an exiting process closes its files a moment before it is reaped, and its memory
+// is already gone by then) before it is taken for one that left its slot alive, and killed.
+constexpr uint64_t kLeaveGraceNs = 500'000'000ull;
+// A task marked bad is never started again: its grant is asked back with this deadline.
+constexpr uint64_t kBadTaskRevokeNs = 5'000'000'000ull;
+constexpr int kMaxTaskMessages = 16;  // per wake-up, so a chatty task cannot hog the service
 
 uint32_t next_epoch(uint32_t e) { return e + 1 == 0 ? 1 : e + 1; }
 
@@ -186,11 +227,16 @@ void Trainer::shutdown() {
     }
   }
   if (service_.joinable()) {
+    stopping_.store(true, std::memory_order_release);
     uint64_t one = 1;
     (void)!write(wake_fd_.get(), &one, sizeof one);
     service_.join();
   }
   conns_.clear();
+  // Tasks killed for their grants die on their own; the memory goes back with the lender.
+  doomed_.clear();
+  lender_.store(nullptr, std::memory_order_release);
+  lender_owned_.reset();
   slots_.reset();
   if (listen_fd_) {
     unlink(socket_path_.c_str());
@@ -218,12 +264,16 @@ void Trainer::refresh_slots() {
     const SlotCtl* c = hub_.slot(i);
     if (st == SlotState::kDead && !s.released.load(std::memory_order_relaxed)) {
       cands_[i].active = false;
-      s.released.store(1, std::memory_order_release);  // we no longer touch s.page
+      // Forget it if it runs in the open bubble: from here on we never touch s.page.
+      for (uint32_t k = 0; k < n_running_; ++k)
+        if (running_[k] == i) running_[k--] = running_[--n_running_];
+      s.released.store(1, std::memory_order_release);
       continue;
     }
+    // Only a slot published as active has fields the service thread no longer writes.
     const bool active = st == SlotState::kActive && !s.bad &&
                         c->stop.load(std::memory_order_relaxed) == 0;
-    cands_[i] = s.cand;
+    if (st == SlotState::kActive) cands_[i] = s.cand;
     cands_[i].active = active;
     if (active) span_ = i + 1;
   }
@@ -243,6 +293,10 @@ bool Trainer::task_ready(uint32_t i) {
   // take a command. Both words are the task's: a value that makes no sense marks it bad.
   const uint32_t acked = p->acked_epoch.load(std::memory_order_acquire);
   if (acked != s.epoch) return false;
+  // Once memory is lent, a task that needs some runs only while it holds a grant.
+  if (s.cand.mem_need && lender_.load(std::memory_order_relaxed) &&
+      s.grant_ready.load(std::memory_order_acquire) == 0)
+    return false;
   const uint64_t head = p->cmd_head.load(std::memory_order_acquire);
   const uint64_t tail = hub_.slot(i)->commands.tail.load(std::memory_order_relaxed);
   if (head > tail || tail - head > shm::kCommandRingSize) {
@@ -297,6 +351,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
     cmd.deadline_ns = deadline;
     cmd.free_mem = free_mem;
     cmd.kind = uint32_t(kind);
+    cmd.grant_id = s.grant_ready.load(std::memory_order_relaxed);
     if (shm::ring_push(c->commands, s.page->cmd_head, s.cmd_cached_head, cmd) !=
         shm::RingStatus::kOk) {
       mark_bad(i);  // task_ready() saw room a moment ago: the task moved its index backwards
@@ -313,9 +368,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
       shm::futex_wake(&c->doorbell, INT_MAX);
       ++wakes;
     }
-    running_[n_running_] = i;
-    running_gen_[n_running_] = s.generation;
-    ++n_running_;
+    running_[n_running_++] = i;
   }
   if (n) starts_.store(starts_.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
   if (wakes) wakes_.store(wakes_.load(std::memory_order_relaxed) + wakes, std::memory_order_relaxed);
@@ -336,9 +389,7 @@ void Trainer::end_locked(uint64_t now) {
     const uint32_t i = running_[k];
     Slot& s = slots_[i];
     SlotCtl* c = hub_.slot(i);
-    // The slot may have been reclaimed (and even reused) since begin: then leave it alone.
-    if (!cands_[i].active && (s.bad || s.released.load(std::memory_order_relaxed))) continue;
-    if (s.generation != running_gen_[k]) continue;
+    // refresh_slots() dropped any slot reclaimed since begin, so s.page is still mapped.
     c->run_epoch.store(0, std::memory_order_release);
     if (s.page->acked_epoch.load(std::memory_order_acquire) == s.epoch) continue;  // yielded
     c->pause_requested_ns.store(now, std::memory_order_relaxed);
@@ -460,7 +511,10 @@ bb_status Trainer::stop_task(uint64_t task_id) {
 
 void Trainer::serve() {
   std::vector<pollfd> pfds;
-  std::vector<int> who;  // -1: wake fd, -2: listen fd, >=0 conn index, <= -10: slot pidfd
+  // What each pollfd is: -1 wake fd, -2 listen fd, >= 0 conn index, -10 - i slot i's pidfd,
+  // kDoomedBase - k doomed_[k]'s pidfd.
+  constexpr int kDoomedBase = -100000;
+  std::vector<int> who;
   for (;;) {
     pfds.clear();
     who.clear();
@@ -483,14 +537,34 @@ void Trainer::serve() {
       pfds.push_back({s.pidfd.get(), POLLIN, 0});
       who.push_back(-10 - int(i));
     }
-    const int timeout_ms = any_task || any_hello ? int(kServiceTickNs / 1000000) : -1;
+    for (size_t k = 0; k < doomed_.size(); ++k) {
+      pfds.push_back({doomed_[k].pidfd.get(), POLLIN, 0});
+      who.push_back(kDoomedBase - int(k));
+    }
+    int timeout_ms = any_task || any_hello || !doomed_.empty() ? int(kServiceTickNs / 1000000) : -1;
+    // A revoke's deadline is kept to the millisecond, not to the next tick.
+    if (const uint64_t d = next_grant_deadline()) {
+      const uint64_t now = now_ns();
+      const int until = d > now ? int(std::min<uint64_t>((d - now) / 1000000 + 1, 1000)) : 0;
+      timeout_ms = timeout_ms < 0 ? until : std::min(timeout_ms, until);
+    }
     const int rc = poll(pfds.data(), pfds.size(), timeout_ms);
     if (rc < 0 && errno != EINTR) break;
-    if (pfds[0].revents & POLLIN) break;  // shutdown
+    if (pfds[0].revents & POLLIN) {
+      uint64_t v;
+      (void)!read(wake_fd_.get(), &v, sizeof v);
+      if (stopping_.load(std::memory_order_acquire)) break;
+    }
+    serve_requests();
     if (pfds[1].revents & POLLIN) accept_all();
     const uint64_t now = now_ns();
+    std::vector<size_t> dead_doomed;
     for (size_t k = 2; k < pfds.size(); ++k) {
       if (!pfds[k].revents) continue;
+      if (who[k] <= kDoomedBase) {
+        dead_doomed.push_back(size_t(kDoomedBase - who[k]));
+        continue;
+      }
       if (who[k] <= -10) {
         const uint32_t slot = uint32_t(-10 - who[k]);
         if (!slots_[slot].pending_free) reclaim(slot, true);
@@ -503,20 +577,51 @@ void Trainer::serve() {
       } else if (c->kind == Conn::kObserver) {
         handle_observer_request(*c);
       } else {
-        // A task never sends after attaching: readable means it closed (or misbehaves).
-        char buf[shm::kWireMaxMessage];
-        int fds[2], nfds;
-        const long n = shm::recv_msg(c->fd.get(), buf, fds, &nfds);
-        for (int f = 0; f < nfds; ++f) close(fds[f]);
-        if (n <= 0 && n != -EAGAIN) reclaim(uint32_t(c->slot), false);
+        task_message(*c);
       }
+    }
+    for (Doomed& d : doomed_)
+      if (!d.killed && now >= d.kill_at_ns) d.killed = send_kill(d.pidfd.get(), d.slot, d.pid, 0);
+    // A killed task is gone: nobody maps its grants any more.
+    for (size_t k = dead_doomed.size(); k-- > 0;) {
+      Doomed& d = doomed_[dead_doomed[k]];
+      if (GrantLender* l = lender_.load(std::memory_order_acquire)) {
+        const size_t n = l->release_owner(d.owner);
+        released_dead_.fetch_add(n, std::memory_order_relaxed);
+        if (n) retry_grants_ = true;
+      }
+      doomed_.erase(doomed_.begin() + long(dead_doomed[k]));
     }
     for (auto& c : conns_)
       if (c && c->kind == Conn::kHello && now > c->hello_deadline_ns) c.reset();
     drain_reports();
+    grant_tick(now_ns());
     free_released();
   }
   drain_reports();
+  // Fail whatever is still queued: nobody will serve it.
+  std::lock_guard<std::mutex> lock(req_mu_);
+  service_done_ = true;
+  req_cv_.notify_all();
+}
+
+// A task only ever sends GrantAck after attaching; anything else is ignored, and a closed or
+// broken connection means the task is gone.
+void Trainer::task_message(Conn& c) {
+  const uint32_t slot = uint32_t(c.slot);
+  for (int k = 0; k < kMaxTaskMessages; ++k) {
+    alignas(8) char buf[shm::kWireMaxMessage];
+    int fds[2], nfds;
+    const long n = shm::recv_msg(c.fd.get(), buf, fds, &nfds, MSG_DONTWAIT);
+    for (int f = 0; f < nfds; ++f) close(fds[f]);
+    if (n == -EAGAIN || n == -EWOULDBLOCK) return;
+    if (n <= 0) {
+      reclaim(slot, false);  // resets c
+      return;
+    }
+    if (shm::check_msg(buf, n, shm::MsgType::kGrantAck, sizeof(shm::GrantAckMsg)))
+      check_grant_ack(slot);
+  }
 }
 
 void Trainer::accept_all() {
@@ -664,6 +769,9 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   ctl->step_ns.store(0, std::memory_order_relaxed);
   ctl->ns_in_bubbles.store(0, std::memory_order_relaxed);
   ctl->ns_outside.store(0, std::memory_order_relaxed);
+  write_grant(ctl, nullptr);
+  ctl->revoke_id.store(0, std::memory_order_relaxed);
+  ctl->revoke_deadline_ns.store(0, std::memory_order_relaxed);
   ctl->pid = cred.pid;
   ctl->priority = m.priority;
   ctl->mem_need = m.mem_need;
@@ -678,6 +786,13 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   s.bad = false;
   s.dropped_seen = 0;
   s.released.store(0, std::memory_order_relaxed);
+  s.grant_ready.store(0, std::memory_order_relaxed);
+  s.task_id = uint64_t(i) | uint64_t(gen) << 32;
+  s.grant = 0;
+  s.revoke_deadline_ns = 0;
+  s.revoking = false;
+  s.grant_hold = false;
+  s.killed = false;
   for (size_t k = 0; k < conns_.size(); ++k)
     if (conns_[k].get() == &c) s.conn = int(k);
 
@@ -699,6 +814,7 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   ctl->state.store(uint32_t(SlotState::kActive), std::memory_order_release);
   s.state.store(uint32_t(SlotState::kActive), std::memory_order_release);
   hub_.stats()->attached.fetch_add(1, std::memory_order_relaxed);
+  retry_grants_ = true;
   publish_change();
   shm::log_event(hub_, shm::EventKind::kTaskAttach, uint16_t(i), now_ns(), uint64_t(cred.pid), 0);
 }
@@ -750,6 +866,7 @@ void Trainer::reclaim(uint32_t i, bool died) {
   s.state.store(uint32_t(SlotState::kDead), std::memory_order_release);
   s.pending_free = true;
   publish_change();
+  grant_on_reclaim(i, died);
   if (s.conn >= 0 && size_t(s.conn) < conns_.size()) conns_[size_t(s.conn)].reset();
   s.conn = -1;
   s.pidfd.reset();
@@ -835,6 +952,384 @@ void Trainer::drain_reports() {
       hs->dropped.fetch_add(dropped - s.dropped_seen, std::memory_order_relaxed);
       s.dropped_seen = dropped;
     }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Memory grants. All slot-side work happens on the service thread; the API calls below queue a
+// Request and wait for it. The bubble thread reads only Slot::grant_ready and lender_.
+
+bb_status Trainer::lend(const LendOptions& opts, bool auto_grant) {
+  std::lock_guard<std::mutex> lock(lend_mu_);
+  if (lender_owned_)
+    return fail(BB_E_BUSY, "this hub already lends %llu bytes of %s memory: lend once per hub",
+                (unsigned long long)lender_owned_->capacity(),
+                grant_backend_name(lender_owned_->backend()));
+  std::unique_ptr<GrantLender> l;
+  std::string err;
+  const bb_status st = GrantLender::create(opts, &l, &err);
+  if (st != BB_OK) return fail_msg(st, err);
+  lender_owned_ = std::move(l);
+  auto_grant_.store(auto_grant, std::memory_order_relaxed);
+  lender_.store(lender_owned_.get(), std::memory_order_release);
+  // Tasks that attached before the memory was lent get their grants now.
+  Request r;
+  r.op = Request::kWake;
+  submit(&r);
+  clear_error();
+  return BB_OK;
+}
+
+bb_status Trainer::grant(uint64_t task_id, uint64_t bytes, uint64_t* grant_id) {
+  Request r;
+  r.op = Request::kGrant;
+  r.task_id = task_id;
+  r.bytes = bytes;
+  const bb_status st = submit(&r);
+  if (st == BB_OK && grant_id) *grant_id = r.grant_id;
+  return st;
+}
+
+bb_status Trainer::revoke(uint64_t task_id, uint64_t deadline_ns) {
+  Request r;
+  r.op = Request::kRevoke;
+  r.task_id = task_id;
+  r.deadline_ns = deadline_ns ? deadline_ns : now_ns() + kDefaultRevokeNs;
+  return submit(&r);
+}
+
+bb_status Trainer::task_grant(uint64_t task_id, bb_grant_info_t* out) {
+  Request r;
+  r.op = Request::kInfo;
+  r.task_id = task_id;
+  r.info = out;
+  return submit(&r);
+}
+
+void Trainer::grant_stats(bb_grant_stats_t* out) {
+  if (const GrantLender* l = lender_.load(std::memory_order_acquire)) {
+    const LenderStats ls = l->stats();
+    out->backend = uint32_t(l->backend());
+    out->capacity = ls.capacity;
+    out->granted_bytes = ls.granted_bytes;
+    out->requested_bytes = ls.requested_bytes;
+    out->free_bytes = ls.free_bytes;
+    out->largest_free = ls.largest_free;
+    out->revoking_bytes = ls.revoking_bytes;
+    out->quarantined_bytes = ls.quarantined_bytes;
+    out->active = ls.active;
+    out->revoking = ls.revoking;
+    out->quarantined = ls.quarantined;
+    out->grants_made = ls.grants_made;
+    out->grants_failed = ls.grants_failed;
+  }
+  out->revokes = revokes_.load(std::memory_order_relaxed);
+  out->revokes_acked = revokes_acked_.load(std::memory_order_relaxed);
+  out->tasks_killed = kills_.load(std::memory_order_relaxed);
+  out->released_dead = released_dead_.load(std::memory_order_relaxed);
+}
+
+bb_status Trainer::submit(Request* r) {
+  {
+    std::lock_guard<std::mutex> lock(req_mu_);
+    if (service_done_) return fail(BB_E_STATE, "the hub is closing");
+    requests_.push_back(r);
+  }
+  uint64_t one = 1;
+  (void)!write(wake_fd_.get(), &one, sizeof one);
+  std::unique_lock<std::mutex> lock(req_mu_);
+  // The service thread never waits on a task, so this wait is bounded by one loop of it.
+  req_cv_.wait(lock, [&] { return r->done || service_done_; });
+  if (!r->done) {
+    for (auto it = requests_.begin(); it != requests_.end(); ++it)
+      if (*it == r) {
+        requests_.erase(it);
+        break;
+      }
+    return fail(BB_E_STATE, "the hub is closing");
+  }
+  if (r->status != BB_OK) return fail_msg(r->status, r->error);
+  return BB_OK;
+}
+
+void Trainer::serve_requests() {
+  std::vector<Request*> batch;
+  {
+    std::lock_guard<std::mutex> lock(req_mu_);
+    if (requests_.empty()) return;
+    batch.swap(requests_);
+  }
+  for (Request* r : batch) do_request(*r);
+  std::lock_guard<std::mutex> lock(req_mu_);
+  for (Request* r : batch) r->done = true;
+  req_cv_.notify_all();
+}
+
+void Trainer::do_request(Request& r) {
+  auto error = [&](bb_status st, const std::string& text) {
+    r.status = st;
+    r.error = text;
+  };
+  GrantLender* l = lender_.load(std::memory_order_acquire);
+  if (r.op == Request::kWake) {
+    retry_grants_ = true;  // lend(): new memory to hand out
+    return;
+  }
+  const uint32_t i = uint32_t(r.task_id & 0xffffffffu);
+  if (i >= opts_.max_slots || slots_[i].state.load(std::memory_order_relaxed) !=
+                                  uint32_t(SlotState::kActive) ||
+      slots_[i].pending_free || slots_[i].task_id != r.task_id)
+    return error(BB_E_NOT_FOUND, "task id " + std::to_string(r.task_id) + " is not attached (it "
+                 "detached or died): take ids from bb_trainer_tasks()");
+  Slot& s = slots_[i];
+  std::string err;
+  switch (r.op) {
+    case Request::kGrant: {
+      if (!l) return error(BB_E_STATE, "no memory is lent: call bb_trainer_lend first");
+      if (s.grant)
+        return error(BB_E_BUSY, "task " + std::to_string(r.task_id) + " already holds grant " +
+                     std::to_string(s.grant) + ": revoke it first (a task holds one grant)");
+      uint64_t bytes = r.bytes ? r.bytes : s.cand.mem_need;
+      if (bytes == 0)
+        return error(BB_E_INVALID, "bytes is 0 and the task stated no mem_need: say how many "
+                     "bytes to grant");
+      const bb_status st = offer_grant(i, bytes, &r.grant_id, &err);
+      if (st != BB_OK) return error(st, err);
+      s.grant_hold = false;
+      return;
+    }
+    case Request::kRevoke: {
+      if (!s.grant)
+        return error(BB_E_NOT_FOUND, "task " + std::to_string(r.task_id) + " holds no grant");
+      if (s.revoking)
+        return error(BB_E_STATE, "the grant of task " + std::to_string(r.task_id) +
+                     " is already being revoked");
+      const bb_status st = start_revoke(i, r.deadline_ns, &err);
+      if (st != BB_OK) return error(st, err);
+      return;
+    }
+    case Request::kWake:
+      return;
+    case Request::kInfo: {
+      bb_grant_info_t& o = *r.info;
+      o.task_id = r.task_id;
+      Grant g;
+      GrantState state;
+      if (!l || !s.grant || l->find(s.grant, &g, &state) != BB_OK) return;
+      o.state = uint32_t(state);
+      o.id = g.id;
+      o.backend = uint32_t(g.backend);
+      o.bytes = g.size;
+      o.offset = g.offset;
+      o.address = l->address(g.id);
+      o.deadline_ns = s.revoking ? s.revoke_deadline_ns : 0;
+      o.mapped = s.page && s.page->grant_mapped.load(std::memory_order_relaxed) == g.id;
+      return;
+    }
+  }
+}
+
+void Trainer::ring_doorbell(uint32_t i) {
+  SlotCtl* c = hub_.slot(i);
+  c->grant_change.fetch_add(1, std::memory_order_release);  // G1
+  c->doorbell.fetch_add(1, std::memory_order_release);
+  shm::futex_wake(&c->doorbell, INT_MAX);
+}
+
+bb_status Trainer::offer_grant(uint32_t i, uint64_t bytes, uint64_t* id, std::string* error) {
+  GrantLender* l = lender_.load(std::memory_order_acquire);
+  Slot& s = slots_[i];
+  Grant g;
+  bb_status st = l->grant(bytes, s.task_id, &g, error);
+  if (st != BB_OK) return st;
+  if (g.handle.fd >= 0) {
+    // The descriptor goes first: a task that sees the id finds it already queued.
+    Conn* c = s.conn >= 0 && size_t(s.conn) < conns_.size() ? conns_[size_t(s.conn)].get() : nullptr;
+    auto m = shm::make_msg<shm::GrantFdMsg>(shm::MsgType::kGrantFd);
+    m.grant_id = g.id;
+    m.map_size = g.handle.map_size;
+    const int fd = g.handle.fd;
+    const int e = c ? shm::send_msg(c->fd.get(), &m, sizeof m, &fd, 1) : ENOTCONN;
+    if (e != 0) {
+      std::string ignored;
+      l->release(g.id, &ignored);
+      *error = std::string("cannot send the grant's descriptor to the task: ") + std::strerror(e);
+      return e == EAGAIN ? BB_E_BUSY : BB_E_SYSTEM;
+    }
+  }
+  write_grant(hub_.slot(i), &g);
+  s.grant = g.id;
+  s.revoking = false;
+  s.revoke_deadline_ns = 0;
+  // The task is told before the bubble thread may name the grant in a START, so a START that
+  // names it always finds grant_change moved.
+  ring_doorbell(i);
+  s.grant_ready.store(g.id, std::memory_order_release);
+  shm::log_event(hub_, shm::EventKind::kGrant, uint16_t(i), now_ns(), g.id, g.size);
+  if (id) *id = g.id;
+  return BB_OK;
+}
+
+bb_status Trainer::start_revoke(uint32_t i, uint64_t deadline_ns, std::string* error) {
+  GrantLender* l = lender_.load(std::memory_order_acquire);
+  Slot& s = slots_[i];
+  const bb_status st = l->revoke(s.grant, deadline_ns, error);
+  if (st != BB_OK) return st;
+  s.revoking = true;
+  s.revoke_deadline_ns = deadline_ns;
+  s.grant_hold = true;
+  s.grant_ready.store(0, std::memory_order_release);  // no START names it any more
+  SlotCtl* c = hub_.slot(i);
+  c->revoke_deadline_ns.store(deadline_ns, std::memory_order_relaxed);
+  c->revoke_id.store(s.grant, std::memory_order_release);
+  ring_doorbell(i);
+  revokes_.fetch_add(1, std::memory_order_relaxed);
+  shm::log_event(hub_, shm::EventKind::kRevoke, uint16_t(i), now_ns(), s.grant, deadline_ns);
+  check_grant_ack(i);  // a task that already gave it back
+  return BB_OK;
+}
+
+void Trainer::check_grant_ack(uint32_t i) {
+  Slot& s = slots_[i];
+  if (!s.grant || !s.page) return;
+  // G2. Only the exact id we gave counts; any other value is the task's noise.
+  if (s.page->grant_released.load(std::memory_order_acquire) != s.grant) return;
+  if (s.revoking)
+    revokes_acked_.fetch_add(1, std::memory_order_relaxed);
+  else
+    s.grant_hold = true;  // it gave the grant back unasked (e.g. it could not map it)
+  release_grant(i, false);
+}
+
+void Trainer::release_grant(uint32_t i, bool dead) {
+  Slot& s = slots_[i];
+  GrantLender* l = lender_.load(std::memory_order_acquire);
+  const uint64_t id = s.grant;
+  std::string err;
+  // A failure quarantines the range inside the lender (never reused, counted in its stats).
+  if (l) (void)l->release(id, &err);
+  SlotCtl* c = hub_.slot(i);
+  write_grant(c, nullptr);
+  c->revoke_id.store(0, std::memory_order_relaxed);
+  c->revoke_deadline_ns.store(0, std::memory_order_relaxed);
+  c->grant_change.fetch_add(1, std::memory_order_release);
+  s.grant = 0;
+  s.revoking = false;
+  s.revoke_deadline_ns = 0;
+  s.grant_ready.store(0, std::memory_order_release);
+  retry_grants_ = true;
+  if (dead) released_dead_.fetch_add(1, std::memory_order_relaxed);
+  shm::log_event(hub_, shm::EventKind::kGrantRelease, uint16_t(i), now_ns(), id, dead ? 1 : 0);
+}
+
+void Trainer::kill_task(uint32_t i, uint64_t grant_id) {
+  Slot& s = slots_[i];
+  if (s.killed || !s.pidfd) return;
+  s.killed = true;
+  send_kill(s.pidfd.get(), i, hub_.slot(i)->pid, grant_id);
+}
+
+// Returns true when no further attempt is useful (sent, or the process is already gone).
+bool Trainer::send_kill(int pidfd, uint32_t slot, int32_t pid, uint64_t grant_id) {
+  // pidfd, not the pid: the pid may already name another process.
+  if (syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0) == 0) {
+    kills_.fetch_add(1, std::memory_order_relaxed);
+    shm::log_event(hub_, shm::EventKind::kTaskKill, uint16_t(slot), now_ns(), uint64_t(pid),
+                   grant_id);
+  }
+  // On a failure other than ESRCH (EPERM: another uid) the grant simply stays out of use until
+  // the process exits, which the pidfd still tells.
+  return true;
+}
+
+void Trainer::grant_on_reclaim(uint32_t i, bool died) {
+  Slot& s = slots_[i];
+  if (!s.grant) return;
+  if (died || (s.pidfd && pidfd_dead(s.pidfd.get()))) {
+    release_grant(i, true);
+    if (GrantLender* l = lender_.load(std::memory_order_acquire)) {
+      const size_t n = l->release_owner(s.task_id);  // nothing else is expected: one per task
+      released_dead_.fetch_add(n, std::memory_order_relaxed);
+    }
+    return;
+  }
+  if (s.page && s.page->grant_released.load(std::memory_order_acquire) == s.grant) {
+    if (s.revoking) revokes_acked_.fetch_add(1, std::memory_order_relaxed);
+    return release_grant(i, false);
+  }
+  if (!s.pidfd) return release_grant(i, false);  // no way to tell; see docs/GRANTS.md
+  // A task that says it never mapped a host or cuda-vmm grant is believed: if it lied, it keeps
+  // only memory of its own (the range gets new memory when granted again). A cuda-ipc handle
+  // sits in the hub, readable and openable without a word, so that case is never believed.
+  GrantLender* l = lender_.load(std::memory_order_acquire);
+  if (l && l->backend() != GrantBackend::kCudaIpc && s.page &&
+      s.page->grant_mapped.load(std::memory_order_acquire) != s.grant)
+    return release_grant(i, false);
+  // It left without giving the grant back and may still map the memory: unless the kernel
+  // reports it dead within the grace, it is killed; the grant goes back once it is gone.
+  Doomed d;
+  d.pidfd = std::move(s.pidfd);
+  d.owner = s.task_id;
+  d.pid = hub_.slot(i)->pid;
+  d.slot = i;
+  d.killed = s.killed;
+  d.kill_at_ns = now_ns() + kLeaveGraceNs;
+  doomed_.push_back(std::move(d));
+  s.grant = 0;
+  s.revoking = false;
+  s.grant_ready.store(0, std::memory_order_release);
+}
+
+uint64_t Trainer::next_grant_deadline() const {
+  uint64_t d = 0;
+  for (uint32_t i = 0; i < opts_.max_slots; ++i) {
+    const Slot& s = slots_[i];
+    if (s.revoking && !s.killed && (d == 0 || s.revoke_deadline_ns < d)) d = s.revoke_deadline_ns;
+  }
+  return d;
+}
+
+void Trainer::grant_tick(uint64_t now) {
+  GrantLender* l = lender_.load(std::memory_order_acquire);
+  if (!l) return;
+  bool any_revoking = false;
+  for (uint32_t i = 0; i < opts_.max_slots; ++i) {
+    Slot& s = slots_[i];
+    if (!s.grant || s.pending_free) continue;
+    check_grant_ack(i);
+    if (s.grant && !s.revoking && hub_.slot(i)->bad.load(std::memory_order_relaxed)) {
+      std::string ignored;
+      (void)start_revoke(i, now + kBadTaskRevokeNs, &ignored);
+    }
+    any_revoking |= s.revoking;
+  }
+  if (any_revoking) {
+    uint64_t ids[64];
+    const size_t n = std::min<size_t>(l->overdue(now, ids, 64), 64);
+    for (size_t k = 0; k < n; ++k) {
+      uint64_t owner = 0;
+      if (l->find(ids[k], nullptr, nullptr, &owner) != BB_OK) continue;
+      const uint32_t i = uint32_t(owner & 0xffffffffu);
+      if (i < opts_.max_slots && slots_[i].task_id == owner && slots_[i].grant == ids[k] &&
+          !slots_[i].pending_free)
+        kill_task(i, ids[k]);  // released when its pidfd reports the death
+    }
+  }
+  if (!retry_grants_ || !auto_grant_.load(std::memory_order_relaxed)) return;
+  retry_grants_ = false;
+  for (uint32_t i = 0; i < opts_.max_slots; ++i) {
+    Slot& s = slots_[i];
+    if (s.state.load(std::memory_order_relaxed) != uint32_t(SlotState::kActive) ||
+        s.pending_free || s.grant || s.grant_hold || s.cand.mem_need == 0)
+      continue;
+    const SlotCtl* c = hub_.slot(i);
+    if (c->bad.load(std::memory_order_relaxed) || c->stop.load(std::memory_order_relaxed))
+      continue;
+    std::string err;
+    const bb_status st = offer_grant(i, s.cand.mem_need, nullptr, &err);
+    // No room now: tried again when memory is released or a task attaches. Anything else would
+    // fail again the same way.
+    if (st != BB_OK && st != BB_E_NOMEM && st != BB_E_FULL) s.grant_hold = true;
   }
 }
 

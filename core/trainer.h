@@ -6,17 +6,21 @@
 //   - the hub service thread: accepts attaches, watches each task's connection and pidfd,
 //     drains task reports into statistics and the event log, and frees dead slots once the bubble
 //     thread has acknowledged them (so a task page is never unmapped under the bubble thread).
+//     It also does all memory-grant work: grants, revocations, kills of tasks that ignore a
+//     revoke, and releases. The bubble thread only reads, per slot, which grant a task holds.
 #pragma once
 
 #include <bubble/bubble.h>
 
 #include <atomic>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "core/grant_lender.h"
 #include "core/histogram.h"
 #include "core/policy.h"
 #include "core/predictor.h"
@@ -43,8 +47,17 @@ class Trainer {
   bb_status tasks(bb_task_info_t* out, size_t cap, size_t* count);
   bb_status stop_task(uint64_t task_id);
 
+  // Memory grants; any thread. lend() creates the lender on the caller's thread; the others
+  // hand their work to the service thread and wait for it (never for a task).
+  bb_status lend(const LendOptions& opts, bool auto_grant);
+  bb_status grant(uint64_t task_id, uint64_t bytes, uint64_t* grant_id);
+  bb_status revoke(uint64_t task_id, uint64_t deadline_ns);
+  bb_status task_grant(uint64_t task_id, bb_grant_info_t* out);
+  void grant_stats(bb_grant_stats_t* out);
+
   struct Slot;
   struct Conn;
+  struct Request;
 
  private:
   Trainer() = default;
@@ -67,6 +80,22 @@ class Trainer {
   void drain_reports();
   void free_released();
   void publish_change() { slots_changed_.fetch_add(1, std::memory_order_seq_cst); }
+  void task_message(Conn& c);
+
+  // Service thread: grants.
+  bb_status submit(Request* r);
+  void serve_requests();
+  void do_request(Request& r);
+  void grant_tick(uint64_t now);
+  bb_status offer_grant(uint32_t slot, uint64_t bytes, uint64_t* id, std::string* error);
+  bb_status start_revoke(uint32_t slot, uint64_t deadline_ns, std::string* error);
+  void check_grant_ack(uint32_t slot);
+  void release_grant(uint32_t slot, bool dead);
+  void grant_on_reclaim(uint32_t slot, bool died);
+  void kill_task(uint32_t slot, uint64_t grant_id);
+  bool send_kill(int pidfd, uint32_t slot, int32_t pid, uint64_t grant_id);
+  void ring_doorbell(uint32_t slot);
+  uint64_t next_grant_deadline() const;
 
   std::string job_;
   uint32_t rank_ = 0;
@@ -85,7 +114,6 @@ class Trainer {
   uint64_t seen_changes_ = 0;
   uint32_t rr_cursor_ = 0;
   uint32_t running_[BB_MAX_SLOTS_LIMIT];
-  uint32_t running_gen_[BB_MAX_SLOTS_LIMIT];
   uint32_t n_running_ = 0;
   bool open_ = false;
   uint64_t begin_ns_ = 0;
@@ -99,9 +127,35 @@ class Trainer {
 
   // Service thread state and the statistics it keeps (stats() reads them under the mutex).
   std::thread service_;
+  std::atomic<bool> stopping_{false};
   std::vector<std::unique_ptr<Conn>> conns_;
   std::mutex stats_mu_;
   LatencyHistogram start_latency_, pause_latency_;
+
+  // Grants. The lender is created once by lend() and lives until shutdown, after the service
+  // thread has stopped; lender_ publishes it (the bubble thread only tests it for null).
+  std::mutex lend_mu_;
+  std::unique_ptr<GrantLender> lender_owned_;
+  std::atomic<GrantLender*> lender_{nullptr};
+  std::atomic<bool> auto_grant_{false};
+  // Requests from API callers to the service thread.
+  std::mutex req_mu_;
+  std::condition_variable req_cv_;
+  std::vector<Request*> requests_;
+  bool service_done_ = false;
+  // Service thread only: tasks killed after leaving their slot, whose grants are released when
+  // the kernel says they are gone; and whether a grant was released since one failed for room.
+  struct Doomed {
+    shm::Fd pidfd;
+    uint64_t owner = 0;
+    int32_t pid = 0;
+    uint32_t slot = 0;
+    uint64_t kill_at_ns = 0;  // still alive then: killed
+    bool killed = false;
+  };
+  std::vector<Doomed> doomed_;
+  bool retry_grants_ = true;
+  std::atomic<uint64_t> revokes_{0}, revokes_acked_{0}, kills_{0}, released_dead_{0};
 };
 
 }  // namespace bb::core

@@ -109,11 +109,11 @@ void log_event(const HubView& hub, EventKind kind, uint16_t slot, uint64_t ts_ns
   // Readers check commit before and after copying, so an entry being rewritten is skipped.
   e.commit.store(0, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
-  e.kind = uint16_t(kind);
-  e.slot = slot;
-  e.ts_ns = ts_ns;
-  e.a = a;
-  e.b = b;
+  e.kind.store(uint16_t(kind), std::memory_order_relaxed);
+  e.slot.store(slot, std::memory_order_relaxed);
+  e.ts_ns.store(ts_ns, std::memory_order_relaxed);
+  e.a.store(a, std::memory_order_relaxed);
+  e.b.store(b, std::memory_order_relaxed);
   e.commit.store(uint32_t(idx + 1), std::memory_order_release);
 }
 

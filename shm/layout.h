@@ -83,6 +83,9 @@ struct alignas(kCacheLine) HubStats {
   std::atomic<uint32_t> closing;      // the trainer is closing the hub
 };
 
+// kRevoke is never queued: the ring has one producer, the bubble thread, and revocations come
+// from the hub service thread through SlotCtl::revoke_id. START names the task's grant in
+// grant_id (0 = none).
 enum class CommandType : uint32_t { kNone = 0, kStart = 1, kPause = 2, kStop = 3, kRevoke = 4 };
 
 struct Command {
@@ -113,6 +116,20 @@ struct Report {
 };
 static_assert(sizeof(Report) == 32);
 
+// A memory grant as it crosses to the task: the fields of core::Grant (core/grant.h) without
+// the exporter's descriptor. The task validates it (core::validate_grant) before mapping.
+struct GrantRecord {
+  uint64_t id;
+  uint64_t offset;      // in the trainer's lent range
+  uint64_t size;        // bytes the task may use
+  uint32_t backend;     // core::GrantBackend
+  int32_t device;       // CUDA device ordinal, -1 for host
+  uint64_t map_offset;  // where the grant starts inside what the handle names
+  uint64_t map_size;    // bytes to map
+  uint8_t ipc[64];      // cuda-ipc: the CUipcMemHandle
+};
+static_assert(sizeof(GrantRecord) == 112);
+
 enum class SlotState : uint32_t { kFree = 0, kActive = 1, kDead = 2 };
 
 // One task slot as the trainer process writes it (read-only to the task).
@@ -123,7 +140,10 @@ struct alignas(kCacheLine) SlotCtl {
   std::atomic<uint32_t> stop;        // 1: finish and detach
   std::atomic<uint32_t> state;       // SlotState
   std::atomic<uint32_t> generation;  // bumped on every attach to this slot
-  uint32_t reserved0;
+  // Bumped by the hub service after every change of the grant words below (a grant offered, a
+  // revoke asked, a grant taken back). A task holding a grant compares it in should_pause, so it
+  // sits on the line the task reads anyway.
+  std::atomic<uint32_t> grant_change;
   std::atomic<uint64_t> report_head; // consumer index of the task's report ring
   std::atomic<uint64_t> pause_requested_ns;
   std::atomic<uint64_t> started_ns;  // when the trainer last started it
@@ -144,6 +164,16 @@ struct alignas(kCacheLine) SlotCtl {
   std::atomic<uint64_t> ns_outside;
   // Command channel: the trainer produces, the task consumes (its index is TaskPage::cmd_head).
   RingData<Command, kCommandRingSize> commands;
+  // Memory grant, written by the hub service thread only (never the bubble thread), so REVOKE
+  // does not travel through the command ring, whose single producer is the bubble thread. The
+  // record is a seqlock: grant_seq is odd while the service writes it. For fd backends the
+  // descriptor reaches the task over its connection (GrantFdMsg) before grant_id names it.
+  alignas(kCacheLine) std::atomic<uint32_t> grant_seq;
+  uint32_t reserved2;
+  std::atomic<uint64_t> grant_id;            // the grant the task may map, 0 = none
+  std::atomic<uint64_t> revoke_id;           // the grant the task must unmap and ack, 0 = none
+  std::atomic<uint64_t> revoke_deadline_ns;  // after it the task is killed
+  GrantRecord grant;                         // what grant_id names
 };
 
 enum class TaskRunState : uint32_t { kIdle = 0, kRunning = 1, kFinished = 2, kFailed = 3 };
@@ -162,22 +192,30 @@ struct alignas(kCacheLine) TaskPage {
   std::atomic<uint64_t> dropped;                           // reports lost to a full ring
   // Report channel: the task produces, the trainer's hub service consumes (SlotCtl::report_head).
   RingData<Report, kReportRingSize> reports;
+  // Grants, as the task tells it. The trainer believes only an exact match with the id it
+  // gave: grant_released == SlotCtl::grant_id means the task unmapped that grant for good.
+  alignas(kCacheLine) std::atomic<uint64_t> grant_mapped;    // the grant mapped now, 0 = none
+  std::atomic<uint64_t> grant_released;                      // the last grant let go of
 };
 
 enum class EventKind : uint16_t {
   kBubbleBegin = 1, kBubbleEnd = 2, kTaskStart = 3, kTaskPause = 4, kTaskStep = 5,
   kTaskAttach = 6, kTaskDetach = 7, kTaskFinish = 8,
+  // Grants: a = grant id, b = bytes (kGrant), deadline (kRevoke), 1 if the holder was killed or
+  // died (kGrantRelease); kTaskKill: a = pid, b = grant id whose revoke it ignored (0: other).
+  kGrant = 9, kRevoke = 10, kGrantRelease = 11, kTaskKill = 12,
 };
 
 // The bounded event log: a ring the trainer process appends to (several threads, one atomic
 // fetch_add each), read by observers. `commit` is written last: (index + 1) low 32 bits.
 struct alignas(32) EventEntry {
   std::atomic<uint32_t> commit;
-  uint16_t kind;
-  uint16_t slot;
-  uint64_t ts_ns;
-  uint64_t a;
-  uint64_t b;
+  // Atomic (relaxed) because a lap later another thread of the trainer may rewrite the entry.
+  std::atomic<uint16_t> kind;
+  std::atomic<uint16_t> slot;
+  std::atomic<uint64_t> ts_ns;
+  std::atomic<uint64_t> a;
+  std::atomic<uint64_t> b;
 };
 static_assert(sizeof(EventEntry) == 32);
 

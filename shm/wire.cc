@@ -8,7 +8,7 @@
 
 namespace bb::shm {
 
-int send_msg(int sock, const void* msg, size_t size, const int* fds, int nfds) {
+int send_msg(int sock, const void* msg, size_t size, const int* fds, int nfds, int flags) {
   iovec iov{const_cast<void*>(msg), size};
   msghdr mh{};
   mh.msg_iov = &iov;
@@ -26,14 +26,14 @@ int send_msg(int sock, const void* msg, size_t size, const int* fds, int nfds) {
     std::memcpy(CMSG_DATA(c), fds, size_t(nfds) * sizeof(int));
   }
   for (;;) {
-    ssize_t n = sendmsg(sock, &mh, MSG_NOSIGNAL);
+    ssize_t n = sendmsg(sock, &mh, MSG_NOSIGNAL | flags);
     if (n == ssize_t(size)) return 0;
     if (n < 0 && errno == EINTR) continue;
     return n < 0 ? errno : EMSGSIZE;
   }
 }
 
-long recv_msg(int sock, void* buf, int* fds, int* nfds) {
+long recv_msg(int sock, void* buf, int* fds, int* nfds, int flags) {
   fds[0] = fds[1] = -1;
   *nfds = 0;
   iovec iov{buf, kWireMaxMessage};
@@ -45,7 +45,7 @@ long recv_msg(int sock, void* buf, int* fds, int* nfds) {
   mh.msg_controllen = sizeof ctrl;
   ssize_t n;
   do {
-    n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC);
+    n = recvmsg(sock, &mh, MSG_CMSG_CLOEXEC | flags);
   } while (n < 0 && errno == EINTR);
   if (n < 0) return -long(errno);
   for (cmsghdr* c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {

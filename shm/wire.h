@@ -23,6 +23,8 @@ enum class MsgType : uint16_t {
   kStopTask = 4,        // observer -> trainer
   kGetTaskPage = 5,     // observer -> trainer
   kReply = 6,           // trainer -> observer; fds: [task page]
+  kGrantFd = 7,         // trainer -> task; fds: the grant's memory (host, cuda-vmm)
+  kGrantAck = 8,        // task -> trainer: "look at my page's grant words now"
 };
 
 struct MsgHeader {
@@ -69,6 +71,21 @@ struct ReplyMsg {
   char error[kWireErrorBytes];
 };
 
+// Sent before SlotCtl::grant_id names the grant, so a task that sees the id finds the
+// descriptor already queued on its connection.
+struct GrantFdMsg {
+  MsgHeader h;
+  uint64_t grant_id;
+  uint64_t map_size;
+};
+
+// Carries nothing the trainer believes: it only wakes the hub service, which then reads the
+// task's page (TaskPage::grant_released) instead of waiting for its next tick.
+struct GrantAckMsg {
+  MsgHeader h;
+  uint64_t grant_id;
+};
+
 template <typename M>
 M make_msg(MsgType type) {
   M m{};
@@ -79,13 +96,15 @@ M make_msg(MsgType type) {
   return m;
 }
 
-// Sends one message with up to 2 descriptors. Returns 0 or an errno value.
-int send_msg(int sock, const void* msg, size_t size, const int* fds, int nfds);
+// Sends one message with up to 2 descriptors (flags: e.g. MSG_DONTWAIT). Returns 0 or an errno
+// value.
+int send_msg(int sock, const void* msg, size_t size, const int* fds, int nfds, int flags = 0);
 
-// Receives one message (blocking per the socket's mode) into buf (kWireMaxMessage bytes) and
-// up to 2 descriptors (CLOEXEC; unused slots set to -1). Returns the message size, 0 on EOF, or
-// -errno. A truncated message or descriptor list gives -EMSGSIZE and closes what came with it.
-long recv_msg(int sock, void* buf, int* fds, int* nfds);
+// Receives one message (blocking per the socket's mode, or not with flags = MSG_DONTWAIT) into
+// buf (kWireMaxMessage bytes) and up to 2 descriptors (CLOEXEC; unused slots set to -1). Returns
+// the message size, 0 on EOF, or -errno. A truncated message or descriptor list gives -EMSGSIZE
+// and closes what came with it.
+long recv_msg(int sock, void* buf, int* fds, int* nfds, int flags = 0);
 
 // Checks magic, version, type and size of a received message. Returns false when it is not a
 // well-formed message of that type.

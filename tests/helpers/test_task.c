@@ -5,8 +5,14 @@
  *         imperative  bb_task_wait_start / should_pause / ack_pause loop
  *         ignore      attaches and then never reads a command or acks (a hung task)
  *         attach-only attaches, prints ATTACHED, sleeps until killed
+ *         grant-hang  waits for a start with a grant, writes it, then never calls libbubble
+ *                     again (a task that ignores a revoke)
+ *         grant-leave waits for a start with a grant, writes it, then closes its sockets and
+ *                     sleeps (a task that leaves its slot still mapping the grant)
  *   --step-us N, --prio N, --mem N, --min-step-us N, --max-steps N (then BB_STEP_DONE),
- *   --wait (re-attach when the trainer goes away), --reattach-ms N
+ *   --wait (re-attach when the trainer goes away), --reattach-ms N,
+ *   --grant-seed N: fill each new grant with the pattern word(i) = N ^ (i * 2654435761), and
+ *   print "GRANT <id> <bytes>" once it is written (iterative, imperative and the grant modes)
  *
  * It prints "ATTACHED slot-ok" once attached, "STARTED <seq>" for every start (imperative),
  * and a last line "RESULT <status name> steps=<n> starts=<n>". Exit code 0 unless attach failed
@@ -15,15 +21,47 @@
 #include <bubble/bubble.h>
 
 #include <signal.h>
+#include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static uint64_t step_ns = 200000;
 static uint64_t max_steps = 0;
 static uint64_t steps = 0, starts = 0;
 static volatile uint64_t sink;
+static int grant_seed_set = 0;
+static uint32_t grant_seed = 0;
+static uint64_t grant_written = 0; /* id of the last grant filled */
+
+/* Fills a grant the first time it is seen. With the fake CUDA driver of the tests, "device"
+ * pointers are host memory, so the same loop serves every backend. */
+static void use_grant(uint64_t id, void *ptr, uint64_t bytes) {
+  if (!grant_seed_set || id == 0 || !ptr || id == grant_written) return;
+  uint32_t *w = (uint32_t *)ptr;
+  for (uint64_t i = 0; i < bytes / 4; ++i) w[i] = grant_seed ^ (uint32_t)(i * 2654435761u);
+  grant_written = id;
+  printf("GRANT %llu %llu\n", (unsigned long long)id, (unsigned long long)bytes);
+  fflush(stdout);
+}
+
+/* Closes every socket of the process: the hub connection goes away without a word. */
+static void close_sockets(void) {
+  DIR *d = opendir("/proc/self/fd");
+  if (!d) return;
+  int fds[256], n = 0;
+  struct dirent *e;
+  while ((e = readdir(d)) && n < 256) {
+    struct stat st;
+    const int fd = atoi(e->d_name);
+    if (e->d_name[0] != '.' && fd != dirfd(d) && fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode))
+      fds[n++] = fd;
+  }
+  closedir(d);
+  for (int i = 0; i < n; ++i) close(fds[i]);
+}
 
 static void busy(uint64_t ns) {
   const uint64_t until = bb_now_ns() + ns;
@@ -32,7 +70,7 @@ static void busy(uint64_t ns) {
 
 static int on_step(void *user, const bb_step_info_t *info) {
   (void)user;
-  (void)info;
+  use_grant(info->grant_id, info->grant_ptr, info->grant_bytes);
   busy(step_ns);
   ++steps;
   return max_steps && steps >= max_steps ? BB_STEP_DONE : BB_STEP_CONTINUE;
@@ -63,6 +101,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--max-steps")) max_steps = strtoull(v, NULL, 10), ++i;
     else if (!strcmp(a, "--wait")) opts.on_trainer_exit = BB_ON_TRAINER_EXIT_WAIT;
     else if (!strcmp(a, "--reattach-ms")) opts.reattach_timeout_ns = strtoull(v, NULL, 10) * 1000000, ++i;
+    else if (!strcmp(a, "--grant-seed")) grant_seed = (uint32_t)strtoul(v, NULL, 10), grant_seed_set = 1, ++i;
     else {
       fprintf(stderr, "unknown option %s\n", a);
       return 64;
@@ -92,6 +131,7 @@ int main(int argc, char **argv) {
       ++starts;
       printf("STARTED %llu\n", (unsigned long long)info.bubble_seq);
       fflush(stdout);
+      use_grant(info.grant_id, info.grant_ptr, info.grant_bytes);
       while (!bb_task_should_pause(task)) {
         const uint64_t t0 = bb_now_ns();
         busy(step_ns);
@@ -104,6 +144,22 @@ int main(int argc, char **argv) {
     for (;;) busy(1000000000ull);
   } else if (!strcmp(mode, "attach-only")) {
     for (;;) pause();
+  } else if (!strcmp(mode, "grant-hang") || !strcmp(mode, "grant-leave")) {
+    for (;;) {
+      bb_start_info_t info = {sizeof info};
+      st = bb_task_wait_start(task, -1, &info);
+      if (st != BB_OK) break;
+      ++starts;
+      if (!info.grant_ptr) continue;
+      use_grant(info.grant_id, info.grant_ptr, info.grant_bytes);
+      bb_task_ack_pause(task);
+      if (!strcmp(mode, "grant-leave")) {
+        printf("LEAVING\n"); /* first: the trainer may kill us as soon as the socket closes */
+        fflush(stdout);
+        close_sockets();
+      }
+      for (;;) pause();
+    }
   } else {
     fprintf(stderr, "unknown mode %s\n", mode);
     bb_task_detach(task);

@@ -1,8 +1,10 @@
 /* A trainer process for the multi-process tests (public C ABI only).
  *
  *   bb_test_trainer JOB RANK [--bubble-us N] [--gap-us N] [--max-slots N] [--free-mem N]
+ *                   [--lend host|cuda-ipc|cuda-vmm:BYTES]
  *
- * Opens the hub, prints "OPEN <pid>", then runs bubbles of --bubble-us separated by --gap-us
+ * Opens the hub, prints "OPEN <pid>", lends memory if asked ("LENT", or "LEND_FAILED <status>
+ * <message>" and exit code 3), then runs bubbles of --bubble-us separated by --gap-us
  * until SIGTERM/SIGINT (clean close, prints "CLOSED") or SIGKILL (the stale-hub case).
  */
 #define _POSIX_C_SOURCE 200809L
@@ -32,6 +34,7 @@ int main(int argc, char **argv) {
     return 64;
   }
   uint64_t bubble_us = 2000, gap_us = 1000, free_mem = BB_MEM_UNKNOWN;
+  const char *lend = NULL;
   bb_trainer_options_t opts;
   bb_trainer_options_init(&opts);
   for (int i = 3; i + 1 < argc; i += 2) {
@@ -39,6 +42,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--gap-us")) gap_us = strtoull(argv[i + 1], NULL, 10);
     else if (!strcmp(argv[i], "--max-slots")) opts.max_slots = (uint32_t)atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--free-mem")) free_mem = strtoull(argv[i + 1], NULL, 10);
+    else if (!strcmp(argv[i], "--lend")) lend = argv[i + 1];
   }
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
@@ -54,6 +58,25 @@ int main(int argc, char **argv) {
   }
   printf("OPEN %d\n", (int)getpid());
   fflush(stdout);
+  if (lend) {
+    bb_lend_options_t lo;
+    bb_lend_options_init(&lo);
+    const char *colon = strchr(lend, ':');
+    const size_t len = colon ? (size_t)(colon - lend) : strlen(lend);
+    lo.backend = !strncmp(lend, "cuda-ipc", len) && len == 8   ? BB_GRANT_CUDA_IPC
+                 : !strncmp(lend, "cuda-vmm", len) && len == 8 ? BB_GRANT_CUDA_VMM
+                                                               : BB_GRANT_HOST;
+    lo.bytes = colon ? strtoull(colon + 1, NULL, 10) : 1u << 20;
+    st = bb_trainer_lend(t, &lo);
+    if (st != BB_OK) {
+      printf("LEND_FAILED %s %s\n", bb_status_name(st), bb_last_error());
+      fflush(stdout);
+      bb_trainer_close(t);
+      return 3;
+    }
+    printf("LENT\n");
+    fflush(stdout);
+  }
   while (!stop_flag) {
     bb_bubble_begin(t, bubble_us * 1000, free_mem, BB_BUBBLE_STEADY);
     sleep_us(bubble_us);

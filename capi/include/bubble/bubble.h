@@ -232,6 +232,10 @@ typedef struct bb_start_info_t {
   uint64_t begin_ns;     /* when the trainer began the bubble */
   uint64_t deadline_ns;  /* when the bubble is expected to end (0 if unknown) */
   uint64_t free_mem;     /* device bytes free during this bubble, or BB_MEM_UNKNOWN */
+  /* The task's memory grant during this run (see "Memory grants"); 0/NULL when it holds none. */
+  uint64_t grant_id;
+  void *grant_ptr;
+  uint64_t grant_bytes;
 } bb_start_info_t;
 
 /* Imperative: wait until the trainer starts this task in a bubble. timeout_ns < 0 waits
@@ -257,6 +261,11 @@ typedef struct bb_step_info_t {
   uint64_t time_left_ns; /* UINT64_MAX if unknown */
   uint64_t est_step_ns;  /* the runtime's estimate of one step (0 before the first) */
   uint64_t free_mem;
+  /* The task's memory grant for this step; 0/NULL when it holds none. A revoked grant is
+   * unmapped between steps, so take the pointer from each step's info. */
+  uint64_t grant_id;
+  void *grant_ptr;
+  uint64_t grant_bytes;
 } bb_step_info_t;
 
 #define BB_STEP_CONTINUE 0 /* step() return: more work to do */
@@ -283,6 +292,135 @@ BB_API void bb_task_callbacks_init(bb_task_callbacks_t *cbs);
  * returned BB_STEP_DONE, BB_E_STOPPED when told to stop, BB_E_TRAINER_GONE, or BB_E_CALLBACK.
  * finish is called once with that status before returning. */
 BB_API bb_status bb_task_run(bb_task_h task, const bb_task_callbacks_t *callbacks);
+
+/* ---------------------------------------------------------------------------------------------
+ * Memory grants (docs/GRANTS.md).
+ *
+ * The trainer lends one range of memory per hub; libbubble carves a grant out of it for each task
+ * and the task maps it. Backends: host (shared host memory, for CPU tasks and machines without a
+ * GPU), cuda-ipc (a window of a cuMemAlloc/cudaMalloc allocation, named by its IPC handle) and
+ * cuda-vmm (cuMemCreate memory per grant, passed as a file descriptor). The CUDA driver is loaded
+ * at run time; without it the CUDA backends give BB_E_UNSUPPORTED.
+ *
+ * Once memory is lent, a task that states a mem_need is started only while it holds a grant;
+ * with auto_grant (the default) each such task is granted mem_need bytes when it attaches (or
+ * as soon as enough lent memory is free). Granting, revoking and releasing run on the hub's
+ * service thread: bb_bubble_begin/end never wait for them, they only read which tasks hold one.
+ *
+ * Revocation is a protocol: the task is asked to unmap the grant and ack by a deadline; a task
+ * that has not acked by then is killed (SIGKILL), and the memory is reused only once the task no
+ * longer maps it (it acked, exited, or was killed and is gone). A revoked task is not granted
+ * again until bb_trainer_grant names it.
+ */
+typedef enum bb_grant_backend {
+  BB_GRANT_HOST = 1,     /* shared host memory (a sealed memfd per grant) */
+  BB_GRANT_CUDA_IPC = 2, /* a window of one device allocation, by its CUDA IPC handle */
+  BB_GRANT_CUDA_VMM = 3  /* a cuMemCreate allocation per grant, by a POSIX descriptor handle */
+} bb_grant_backend;
+
+typedef struct bb_lend_options_t {
+  uint32_t size;
+  uint32_t backend;     /* bb_grant_backend; default BB_GRANT_HOST */
+  uint64_t bytes;       /* size of the lent range; required (rounded down to the backend's unit) */
+  uint64_t device_ptr;  /* cuda-ipc: lend [device_ptr, +bytes) of an existing cuMemAlloc or
+                           cudaMalloc allocation the trainer keeps alive until the hub closes;
+                           0 (default) = libbubble allocates the range */
+  int32_t device;       /* CUDA device ordinal; default 0 */
+  uint32_t max_grants;  /* live grants at most; default 64 */
+  uint64_t alignment;   /* grant unit, a power of two; 0 (default) = the backend's own */
+  uint32_t auto_grant;  /* 1 (default): grant each attached task with mem_need > 0 that much */
+  uint32_t reserved0_;
+} bb_lend_options_t;
+
+#define BB_LEND_OPTIONS_INIT {sizeof(bb_lend_options_t), BB_GRANT_HOST, 0u, 0u, 0, 64u, 0u, 1u, 0u}
+BB_API void bb_lend_options_init(bb_lend_options_t *opts);
+
+/* Lends memory to the hub's tasks. Once per hub (BB_E_BUSY after that); the lent memory is given
+ * back when the hub closes. BB_E_UNSUPPORTED for a CUDA backend without a usable CUDA driver. */
+BB_API bb_status bb_trainer_lend(bb_trainer_h trainer, const bb_lend_options_t *opts);
+/* Grants bytes (0 = its mem_need) of the lent memory to one task (by bb_task_info_t.id), which
+ * must hold no grant; also lifts the hold a revoke put on it. *grant_id (may be NULL) receives
+ * the grant's id. BB_E_NOMEM when no free extent is large enough. */
+BB_API bb_status bb_trainer_grant(bb_trainer_h trainer, uint64_t task_id, uint64_t bytes,
+                                  uint64_t *grant_id);
+/* Asks a task to give its grant back by deadline_ns (CLOCK_MONOTONIC; 0 = now + 1 s). Returns
+ * once the request is sent; bb_trainer_task_grant and bb_trainer_grant_stats show its progress.
+ * BB_E_NOT_FOUND when the task holds no grant, BB_E_STATE when it is already being revoked. */
+BB_API bb_status bb_trainer_revoke(bb_trainer_h trainer, uint64_t task_id, uint64_t deadline_ns);
+
+typedef enum bb_grant_state {
+  BB_GRANT_STATE_NONE = 0,
+  BB_GRANT_STATE_ACTIVE = 1,
+  BB_GRANT_STATE_REVOKING = 2,    /* asked back; the task has not acked yet */
+  BB_GRANT_STATE_QUARANTINED = 3  /* giving the memory back failed; never reused */
+} bb_grant_state;
+
+typedef struct bb_grant_info_t {
+  uint32_t size;
+  uint32_t state;       /* bb_grant_state */
+  uint64_t id;          /* 0 when the task holds no grant */
+  uint64_t task_id;
+  uint32_t backend;     /* bb_grant_backend */
+  uint32_t mapped;      /* 1 when the task says it maps the grant (its word: informative only) */
+  uint64_t bytes;       /* what was granted (the task may use this many bytes) */
+  uint64_t offset;      /* where the grant sits in the lent range */
+  uint64_t address;     /* the trainer's own address of it: a host pointer for host, a device
+                           pointer (CUdeviceptr) for the CUDA backends */
+  uint64_t deadline_ns; /* REVOKING: when the task will be killed */
+} bb_grant_info_t;
+
+/* The grant of one task (by bb_task_info_t.id). A task without a grant gives BB_OK with
+ * state BB_GRANT_STATE_NONE; a task id that is not attached gives BB_E_NOT_FOUND. */
+BB_API bb_status bb_trainer_task_grant(bb_trainer_h trainer, uint64_t task_id,
+                                       bb_grant_info_t *out);
+
+typedef struct bb_grant_stats_t {
+  uint32_t size;
+  uint32_t backend;          /* bb_grant_backend, 0 before bb_trainer_lend */
+  uint64_t capacity;         /* usable bytes of the lent range */
+  uint64_t granted_bytes;    /* allocated (rounded) bytes: active + revoking + quarantined */
+  uint64_t requested_bytes;  /* bytes asked for by live grants */
+  uint64_t free_bytes;       /* capacity - granted_bytes */
+  uint64_t largest_free;     /* the largest grant that would succeed now */
+  uint64_t revoking_bytes;
+  uint64_t quarantined_bytes;
+  uint32_t active;           /* grants in each state */
+  uint32_t revoking;
+  uint32_t quarantined;
+  uint32_t reserved0_;
+  uint64_t grants_made;      /* since the memory was lent */
+  uint64_t grants_failed;    /* grant attempts that found no room (or failed otherwise) */
+  uint64_t revokes;          /* revocations asked */
+  uint64_t revokes_acked;    /* ... that the task acked in time */
+  uint64_t tasks_killed;     /* tasks killed for not acking a revoke, or for leaving without
+                                giving a grant back */
+  uint64_t released_dead;    /* grants taken back from tasks that died or were killed */
+} bb_grant_stats_t;
+
+BB_API bb_status bb_trainer_grant_stats(bb_trainer_h trainer, bb_grant_stats_t *out);
+
+/* Task side. The runtime maps a grant when it is offered and unmaps it when it is revoked; both
+ * happen only inside bb_task_wait_start, bb_task_ack_pause, bb_task_ack_revoke, bb_task_grant
+ * and bb_task_detach (and between steps of bb_task_run), so a pointer stays valid until the
+ * task's next call of one of those. While a grant is being revoked, bb_task_should_pause returns
+ * 1, and the next bb_task_ack_pause unmaps it and acks. */
+typedef struct bb_task_grant_t {
+  uint32_t size;
+  uint32_t backend;  /* bb_grant_backend */
+  uint64_t id;
+  void *ptr;         /* a host pointer for host, a device pointer for the CUDA backends */
+  uint64_t bytes;
+  uint64_t revoke_deadline_ns; /* nonzero while the trainer revokes it: stop using it and call
+                                  bb_task_ack_revoke (or bb_task_ack_pause) before then */
+} bb_task_grant_t;
+
+/* The grant this task maps now (mapping one that was just offered). BB_E_NOT_FOUND when it holds
+ * none; a mapping failure (e.g. BB_E_UNSUPPORTED: a CUDA grant without a CUDA driver in the task)
+ * is reported once, and that grant is given back. */
+BB_API bb_status bb_task_grant(bb_task_h task, bb_task_grant_t *out);
+/* If the trainer is revoking this task's grant: unmaps it and acks. Otherwise does nothing.
+ * Stop all use of the grant (device work included) before calling. */
+BB_API bb_status bb_task_ack_revoke(bb_task_h task);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -1,0 +1,53 @@
+// A one-way wake-up channel between two processes, the peers signal_latency compares libbubble
+// with. The waker sends one signal per round; the waiter blocks (or busy-polls) until it
+// arrives. The harness stamps both ends; a channel only moves the wake-up.
+//
+// Lifecycle: prepare() in the orchestrating process before the fork (descriptors, names), then
+// in each child its own setup (connections, runtimes). The waiter reports readiness only once a
+// signal sent from then on is sure to arrive.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace bench {
+
+class Channel {
+ public:
+  virtual ~Channel() = default;
+  virtual const char* name() const = 0;
+  // Whether the channel has a blocking (busy = false) or a busy-polling (busy = true) wait.
+  virtual bool supports(bool busy) const = 0;
+  // In the orchestrator, before forking: false (and *why) when the channel cannot run here.
+  virtual bool prepare(bool busy, std::string* why) { (void)busy; (void)why; return true; }
+  // In the orchestrator, after both children exited.
+  virtual void cleanup() {}
+  // Whether a child must leave through exit() (static destructors run) rather than _exit():
+  // iceoryx deregisters from RouDi only in its runtime's destructor.
+  virtual bool exit_cleanly() const { return false; }
+
+  // Waker child.
+  virtual bool setup_waker(std::string* why) = 0;
+  virtual bool signal() = 0;
+
+  // Waiter child: set up, call ready() once signals will arrive, then call on_wake() for every
+  // signal received (stamping comes first thing inside it) until it returns false.
+  virtual int run_waiter(bool busy, const std::function<void()>& ready,
+                         const std::function<bool()>& on_wake) = 0;
+};
+
+// Kernel mechanisms (always built).
+std::unique_ptr<Channel> make_futex_channel(uint32_t* shared_word);
+std::unique_ptr<Channel> make_spin_channel(uint32_t* shared_word);
+std::unique_ptr<Channel> make_eventfd_channel();
+std::unique_ptr<Channel> make_pipe_channel();
+std::unique_ptr<Channel> make_unix_socket_channel();
+std::unique_ptr<Channel> make_mqueue_channel();
+
+// Optional peers: a channel whose prepare() explains why it cannot run when it was not built.
+std::unique_ptr<Channel> make_iceoryx_channel(const std::string& work_dir);
+std::unique_ptr<Channel> make_grpc_channel();
+
+}  // namespace bench

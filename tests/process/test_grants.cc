@@ -1,0 +1,628 @@
+// Memory grants end to end: the trainer (this process) lends memory through the C ABI, side
+// tasks in child processes map their grants and write into them, and revocation runs as a
+// protocol (ack, or kill at the deadline). The CUDA backends run over the fake driver of
+// tests/cuda_double, loaded through BUBBLE_CUDA_DRIVER exactly as libcuda.so.1 would be.
+#include <bubble/bubble.h>
+#include <dirent.h>
+#include <dlfcn.h>
+#include <doctest/doctest.h>
+#include <sys/wait.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/paths.h"
+#include "shm/layout.h"
+#include "shm/segment.h"
+#include "shm/wire.h"
+#include "tests/cuda_double/cuda_double.h"
+#include "tests/helpers/proc.h"
+#include "tests/helpers/raw_attach.h"
+
+using bbtest::Child;
+using bbtest::RuntimeDir;
+using bbtest::eventually;
+
+namespace {
+
+constexpr uint64_t kKiB = 1024, kMiB = 1024 * 1024;
+
+std::string task_bin() { return BB_TEST_TASK; }
+std::string trainer_bin() { return BB_TEST_TRAINER; }
+
+// The fake driver sits next to the test programs in the build tree unless the build says where.
+std::string double_path() {
+#ifdef BUBBLE_CUDA_DOUBLE_PATH
+  return BUBBLE_CUDA_DOUBLE_PATH;
+#else
+  const std::string t = BB_TEST_TASK;
+  return t.substr(0, t.rfind('/')) + "/cuda_double/libbubble_cuda_double.so";
+#endif
+}
+
+int count_fds() {
+  int n = 0;
+  DIR* d = opendir("/proc/self/fd");
+  if (!d) return -1;
+  while (dirent* e = readdir(d))
+    if (e->d_name[0] != '.') ++n;
+  closedir(d);
+  return n - 1;  // the directory's own descriptor
+}
+
+uint32_t pattern_word(uint32_t seed, uint64_t i) { return seed ^ uint32_t(i * 2654435761u); }
+
+bool pattern_ok(uint64_t addr, uint64_t bytes, uint32_t seed) {
+  const auto* w = reinterpret_cast<const volatile uint32_t*>(addr);
+  for (uint64_t i = 0; i < bytes / 4; ++i)
+    if (w[i] != pattern_word(seed, i)) return false;
+  return true;
+}
+
+// A variable set for children spawned in this scope (and this process), then restored.
+struct ScopedEnv {
+  std::string name, old;
+  bool had;
+  ScopedEnv(const char* n, const std::string& value) : name(n) {
+    const char* o = getenv(n);
+    had = o != nullptr;
+    if (had) old = o;
+    setenv(n, value.c_str(), 1);
+  }
+  ~ScopedEnv() {
+    if (had)
+      setenv(name.c_str(), old.c_str(), 1);
+    else
+      unsetenv(name.c_str());
+  }
+};
+
+struct Trainer {
+  bb_trainer_h h = nullptr;
+  explicit Trainer(const char* job, uint32_t max_running = 1) {
+    bb_trainer_options_t o;
+    bb_trainer_options_init(&o);
+    o.max_running = max_running;
+    const bb_status st = bb_trainer_open(job, 0, &o, &h);
+    INFO(bb_last_error());
+    REQUIRE(st == BB_OK);
+  }
+  ~Trainer() { bb_trainer_close(h); }
+  void lend(bb_grant_backend backend, uint64_t bytes) {
+    bb_lend_options_t lo;
+    bb_lend_options_init(&lo);
+    lo.backend = backend;
+    lo.bytes = bytes;
+    const bb_status st = bb_trainer_lend(h, &lo);
+    INFO(bb_last_error());
+    REQUIRE(st == BB_OK);
+  }
+  bb_trainer_stats_t stats() const {
+    bb_trainer_stats_t s{sizeof s};
+    bb_trainer_stats(h, &s);
+    return s;
+  }
+  bb_grant_stats_t grants() const {
+    bb_grant_stats_t s{sizeof s};
+    REQUIRE(bb_trainer_grant_stats(h, &s) == BB_OK);
+    return s;
+  }
+  bb_grant_info_t grant_of(uint64_t task_id) const {
+    bb_grant_info_t g{sizeof g};
+    const bb_status st = bb_trainer_task_grant(h, task_id, &g);
+    INFO(bb_last_error());
+    REQUIRE(st == BB_OK);
+    return g;
+  }
+  std::vector<bb_task_info_t> tasks() const {
+    std::vector<bb_task_info_t> v(16);
+    for (auto& t : v) t.size = sizeof t;
+    size_t n = 0;
+    bb_trainer_tasks(h, v.data(), v.size(), &n);
+    v.resize(std::min<size_t>(n, 16));
+    return v;
+  }
+  // The id of the attached task of that name, waiting for its attach to be published (the task
+  // may print ATTACHED a moment before the trainer lists it).
+  uint64_t task_id(const char* name) const {
+    uint64_t id = 0;
+    eventually([&] {
+      for (auto& t : tasks())
+        if (std::string(t.name) == name) id = t.id;
+      return id != 0;
+    });
+    return id;
+  }
+  void bubble(uint64_t len_us = 2000, uint64_t gap_us = 500) {
+    CHECK(bb_bubble_begin(h, len_us * 1000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+    std::this_thread::sleep_for(std::chrono::microseconds(len_us));
+    CHECK(bb_bubble_end(h) == BB_OK);
+    std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
+  }
+  template <typename F>
+  bool bubbles_until(F&& cond, int max_bubbles = 4000) {
+    for (int i = 0; i < max_bubbles; ++i) {
+      if (cond()) return true;
+      bubble();
+    }
+    return cond();
+  }
+  // Runs bubbles until the task prints its GRANT line; returns the grant id it names (0: none).
+  uint64_t until_granted(Child& task) {
+    std::string line;
+    bubbles_until([&] { return !(line = task.wait_line("GRANT", 5)).empty(); });
+    return line.empty() ? 0 : std::stoull(line.substr(6));
+  }
+};
+
+std::vector<std::string> task_args(const std::string& job, const std::string& name,
+                                   const std::string& mode, std::vector<std::string> extra = {}) {
+  std::vector<std::string> a = {task_bin(), job, "0", name, mode};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+bool killed_by_sigkill(int status) {
+  return status != -1 && WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL;
+}
+
+// Nothing left of any grant in the lender.
+void check_lender_empty(const bb_grant_stats_t& g) {
+  CHECK(g.active == 0);
+  CHECK(g.revoking == 0);
+  CHECK(g.quarantined == 0);
+  CHECK(g.granted_bytes == 0);
+  CHECK(g.requested_bytes == 0);
+  CHECK(g.free_bytes == g.capacity);
+}
+
+}  // namespace
+
+TEST_CASE("host_grant_written_by_task_is_read_by_trainer_then_revoked_and_acked") {
+  RuntimeDir dir;
+  const auto shm_before = bbtest::dev_shm();
+  const int fds_before = count_fds();
+  {
+    Trainer t("gh");
+    t.lend(BB_GRANT_HOST, 4 * kMiB);
+    Child task(task_args("gh", "w", "iterative",
+                         {"--mem", std::to_string(64 * kKiB), "--grant-seed", "7"}));
+    REQUIRE(task.wait_line("ATTACHED") != "");
+    const uint64_t gid = t.until_granted(task);
+    REQUIRE(gid != 0);
+    const uint64_t id = t.task_id("w");
+    bb_grant_info_t g = t.grant_of(id);
+    CHECK(g.id == gid);
+    CHECK(g.state == BB_GRANT_STATE_ACTIVE);
+    CHECK(g.backend == BB_GRANT_HOST);
+    CHECK(g.bytes == 64 * kKiB);
+    CHECK(g.mapped == 1);
+    REQUIRE(g.address != 0);
+    // What the task wrote into its grant, the trainer reads at its own address of it.
+    CHECK(pattern_ok(g.address, g.bytes, 7));
+    bb_grant_stats_t s = t.grants();
+    CHECK(s.backend == BB_GRANT_HOST);
+    CHECK(s.capacity == 4 * kMiB);
+    CHECK(s.active == 1);
+    CHECK(s.granted_bytes == 64 * kKiB);
+    CHECK(s.requested_bytes == 64 * kKiB);
+    CHECK(s.free_bytes == 4 * kMiB - 64 * kKiB);
+    CHECK(s.grants_made == 1);
+
+    // Revoke: the idle task unmaps and acks, and the memory is released long before the deadline.
+    REQUIRE(bb_trainer_revoke(t.h, id, bb_now_ns() + 30'000'000'000ull) == BB_OK);
+    CHECK(bb_trainer_revoke(t.h, id, 0) != BB_OK);  // already revoking, or already released
+    REQUIRE(eventually([&] { return t.grants().revokes_acked == 1; }));
+    s = t.grants();
+    CHECK(s.revokes == 1);
+    CHECK(s.tasks_killed == 0);
+    check_lender_empty(s);
+    CHECK(t.grant_of(id).state == BB_GRANT_STATE_NONE);
+    // A task that needs memory and holds none is not started; nor is it granted again unasked.
+    const uint64_t starts = t.stats().starts;
+    for (int i = 0; i < 20; ++i) t.bubble();
+    CHECK(t.stats().starts == starts);
+    CHECK(t.grants().grants_made == 1);
+
+    // Granted again on request: a new grant, written afresh.
+    uint64_t again = 0;
+    REQUIRE(bb_trainer_grant(t.h, id, 0, &again) == BB_OK);
+    CHECK(again > gid);
+    CHECK(t.until_granted(task) == again);
+    g = t.grant_of(id);
+    CHECK(pattern_ok(g.address, g.bytes, 7));
+    CHECK(bb_trainer_grant(t.h, id, 0, nullptr) == BB_E_BUSY);  // one grant per task
+
+    // Stopping the task: it gives the grant back as it detaches.
+    REQUIRE(bb_trainer_stop_task(t.h, id) == BB_OK);
+    CHECK(task.wait_line("RESULT").find("BB_E_STOPPED") != std::string::npos);
+    CHECK(task.wait_exit() == 0);
+    REQUIRE(eventually([&] { return t.grants().active == 0; }));
+    s = t.grants();
+    check_lender_empty(s);
+    CHECK(s.tasks_killed == 0);
+    CHECK(s.released_dead == 0);
+  }
+  CHECK(count_fds() == fds_before);
+  CHECK(bbtest::dev_shm() == shm_before);
+  CHECK(dir.files().empty());
+}
+
+TEST_CASE("revoke_pauses_a_running_imperative_task_which_acks_in_the_bubble") {
+  RuntimeDir dir;
+  Trainer t("gi");
+  t.lend(BB_GRANT_HOST, 1 * kMiB);
+  Child task(task_args("gi", "imp", "imperative",
+                       {"--mem", "8192", "--grant-seed", "3", "--step-us", "100"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  const uint64_t id = t.task_id("imp");
+  REQUIRE(eventually([&] { return t.grant_of(id).state == BB_GRANT_STATE_ACTIVE; }));
+  // One long bubble, open all through the revoke: should_pause turns 1 for the grant alone.
+  REQUIRE(bb_bubble_begin(t.h, 60'000'000'000ull, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+  REQUIRE(task.wait_line("GRANT") != "");
+  CHECK(pattern_ok(t.grant_of(id).address, 8192, 3));
+  REQUIRE(bb_trainer_revoke(t.h, id, bb_now_ns() + 30'000'000'000ull) == BB_OK);
+  CHECK(eventually([&] { return t.grants().revokes_acked == 1; }));
+  CHECK(bb_bubble_end(t.h) == BB_OK);
+  check_lender_empty(t.grants());
+  CHECK(t.grants().tasks_killed == 0);
+}
+
+TEST_CASE("task_ignoring_revoke_is_killed_at_the_deadline_and_its_grant_reclaimed") {
+  RuntimeDir dir;
+  const auto shm_before = bbtest::dev_shm();
+  const int fds_before = count_fds();
+  {
+    Trainer t("gk");
+    t.lend(BB_GRANT_HOST, 1 * kMiB);
+    Child task(task_args("gk", "deaf", "grant-hang", {"--mem", "65536", "--grant-seed", "9"}));
+    REQUIRE(task.wait_line("ATTACHED") != "");
+    REQUIRE(t.until_granted(task) != 0);
+    const uint64_t id = t.task_id("deaf");
+    REQUIRE(bb_trainer_revoke(t.h, id, bb_now_ns() + 300'000'000ull) == BB_OK);
+    // Until the task is gone the range stays allocated: nobody else can be given it.
+    bb_grant_info_t g = t.grant_of(id);
+    CHECK(g.state == BB_GRANT_STATE_REVOKING);
+    CHECK(g.deadline_ns != 0);
+    CHECK(t.grants().granted_bytes == 65536);
+    CHECK(killed_by_sigkill(task.wait_exit(10000)));
+    REQUIRE(eventually([&] { return t.grants().released_dead == 1; }));
+    const bb_grant_stats_t s = t.grants();
+    CHECK(s.tasks_killed == 1);
+    CHECK(s.revokes == 1);
+    CHECK(s.revokes_acked == 0);
+    check_lender_empty(s);
+    REQUIRE(eventually([&] { return t.stats().tasks_attached == 0; }));
+  }
+  CHECK(count_fds() == fds_before);
+  CHECK(bbtest::dev_shm() == shm_before);
+}
+
+TEST_CASE("killed_task_grant_is_reclaimed") {
+  RuntimeDir dir;
+  const int fds_before = count_fds();
+  {
+    Trainer t("gd");
+    t.lend(BB_GRANT_HOST, 1 * kMiB);
+    Child task(task_args("gd", "victim", "iterative", {"--mem", "100000", "--grant-seed", "5"}));
+    REQUIRE(task.wait_line("ATTACHED") != "");
+    REQUIRE(t.until_granted(task) != 0);
+    CHECK(t.grants().granted_bytes == 102400);  // page-rounded
+    task.signal(SIGKILL);
+    CHECK(task.wait_exit() != -1);
+    REQUIRE(eventually([&] { return t.grants().released_dead == 1; }));
+    const bb_grant_stats_t s = t.grants();
+    CHECK(s.tasks_killed == 0);
+    check_lender_empty(s);
+  }
+  CHECK(count_fds() == fds_before);
+}
+
+TEST_CASE("task_leaving_its_slot_still_mapping_a_grant_is_killed") {
+  RuntimeDir dir;
+  Trainer t("gl");
+  t.lend(BB_GRANT_HOST, 1 * kMiB);
+  Child task(task_args("gl", "sly", "grant-leave", {"--mem", "4096", "--grant-seed", "1"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(t.until_granted(task) != 0);
+  REQUIRE(task.wait_line("LEAVING") != "");
+  // Its connection closed but its process lives on with the memory mapped: killed, then the
+  // grant goes back once the kernel reports the process gone.
+  CHECK(killed_by_sigkill(task.wait_exit(10000)));
+  REQUIRE(eventually([&] { return t.grants().released_dead == 1; }));
+  CHECK(t.grants().tasks_killed == 1);
+  check_lender_empty(t.grants());
+}
+
+TEST_CASE("grants_never_overlap_and_freed_ranges_coalesce_for_a_waiting_task") {
+  RuntimeDir dir;
+  Trainer t("go", 4);
+  t.lend(BB_GRANT_HOST, 1 * kMiB);
+  std::vector<std::unique_ptr<Child>> kids;
+  const char* names[] = {"a", "b", "c"};
+  for (int i = 0; i < 3; ++i) {
+    kids.push_back(std::make_unique<Child>(task_args(
+        "go", names[i], "iterative",
+        {"--mem", std::to_string(256 * kKiB), "--grant-seed", std::to_string(100 + i)})));
+    REQUIRE(kids.back()->wait_line("ATTACHED") != "");
+  }
+  for (auto& k : kids) REQUIRE(t.until_granted(*k) != 0);
+  // A fourth wants more than is left: it waits, unstarted.
+  Child big(task_args("go", "big", "iterative",
+                      {"--mem", std::to_string(512 * kKiB), "--grant-seed", "200"}));
+  REQUIRE(big.wait_line("ATTACHED") != "");
+  REQUIRE(eventually([&] { return t.grants().grants_failed >= 1; }));
+  for (int i = 0; i < 20; ++i) t.bubble();
+  CHECK(big.wait_line("GRANT", 5) == "");
+  CHECK(t.grant_of(t.task_id("big")).state == BB_GRANT_STATE_NONE);
+
+  bb_grant_stats_t s = t.grants();
+  CHECK(s.active == 3);
+  CHECK(s.granted_bytes == 768 * kKiB);
+  CHECK(s.free_bytes == 256 * kKiB);
+  std::vector<bb_grant_info_t> gs;
+  for (const char* n : names) gs.push_back(t.grant_of(t.task_id(n)));
+  for (size_t i = 0; i < gs.size(); ++i) {
+    CHECK(gs[i].offset + gs[i].bytes <= 1 * kMiB);
+    CHECK(pattern_ok(gs[i].address, gs[i].bytes, uint32_t(100 + i)));
+    for (size_t j = i + 1; j < gs.size(); ++j)
+      CHECK((gs[i].offset + gs[i].bytes <= gs[j].offset ||
+             gs[j].offset + gs[j].bytes <= gs[i].offset));
+  }
+  // Free the grant that borders the free tail: the two coalesce into room for the big task.
+  size_t last = 0;
+  for (size_t i = 1; i < gs.size(); ++i)
+    if (gs[i].offset > gs[last].offset) last = i;
+  REQUIRE(gs[last].offset + gs[last].bytes == 768 * kKiB);
+  kids[last]->signal(SIGKILL);
+  CHECK(kids[last]->wait_exit() != -1);
+  REQUIRE(t.until_granted(big) != 0);
+  const bb_grant_info_t bg = t.grant_of(t.task_id("big"));
+  CHECK(bg.offset == gs[last].offset);
+  CHECK(bg.bytes == 512 * kKiB);
+  CHECK(pattern_ok(bg.address, bg.bytes, 200));
+  for (size_t i = 0; i < gs.size(); ++i)
+    if (i != last) CHECK(pattern_ok(gs[i].address, gs[i].bytes, uint32_t(100 + i)));
+  s = t.grants();
+  CHECK(s.active == 3);
+  CHECK(s.granted_bytes == 1 * kMiB);
+  CHECK(s.free_bytes == 0);
+  CHECK(s.released_dead == 1);
+}
+
+TEST_CASE("lend_and_grant_calls_reject_bad_input_with_a_clear_error") {
+  RuntimeDir dir;
+  Trainer t("ge");
+  CHECK(bb_trainer_lend(t.h, nullptr) == BB_E_INVALID);
+  bb_lend_options_t lo;
+  bb_lend_options_init(&lo);
+  CHECK(bb_trainer_lend(t.h, &lo) == BB_E_INVALID);  // no bytes
+  CHECK(std::string(bb_last_error()).find("bytes") != std::string::npos);
+  lo.bytes = kMiB;
+  lo.backend = 9;
+  CHECK(bb_trainer_lend(t.h, &lo) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("bb_grant_backend") != std::string::npos);
+  lo.backend = BB_GRANT_HOST;
+  lo.size = 4;
+  CHECK(bb_trainer_lend(t.h, &lo) == BB_E_INVALID);
+  lo.size = sizeof lo;
+  lo.device_ptr = 0x1000;  // existing memory is for cuda-ipc only
+  CHECK(bb_trainer_lend(t.h, &lo) == BB_E_INVALID);
+  lo.device_ptr = 0;
+  // Nothing lent yet: no grants, and stats say so.
+  bb_grant_stats_t s{sizeof s};
+  REQUIRE(bb_trainer_grant_stats(t.h, &s) == BB_OK);
+  CHECK(s.backend == 0);
+  CHECK(s.capacity == 0);
+  CHECK(bb_trainer_revoke(t.h, 12345, 0) == BB_E_NOT_FOUND);
+  REQUIRE(bb_trainer_lend(t.h, &lo) == BB_OK);
+  CHECK(bb_trainer_lend(t.h, &lo) == BB_E_BUSY);
+  CHECK(std::string(bb_last_error()).find("lend once per hub") != std::string::npos);
+  CHECK(bb_trainer_grant(t.h, 77, 4096, nullptr) == BB_E_NOT_FOUND);
+  bb_grant_info_t g{sizeof g};
+  CHECK(bb_trainer_task_grant(t.h, 77, &g) == BB_E_NOT_FOUND);
+  // A task without mem_need is not granted unasked, and grant(0) needs a size.
+  Child task(task_args("ge", "plain", "attach-only"));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  const uint64_t id = t.task_id("plain");
+  CHECK(t.grant_of(id).state == BB_GRANT_STATE_NONE);
+  CHECK(bb_trainer_revoke(t.h, id, 0) == BB_E_NOT_FOUND);
+  CHECK(bb_trainer_grant(t.h, id, 0, nullptr) == BB_E_INVALID);
+  CHECK(bb_trainer_grant(t.h, id, 2 * kMiB, nullptr) == BB_E_NOMEM);
+  CHECK(std::string(bb_last_error()).find("no room") != std::string::npos);
+  CHECK(bb_task_grant(nullptr, nullptr) == BB_E_INVALID);
+}
+
+TEST_CASE("cuda_lend_without_a_driver_is_unsupported_with_the_reason") {
+  RuntimeDir dir;
+  ScopedEnv env("BUBBLE_CUDA_DRIVER", "/nonexistent/libcuda.so.1");
+  for (const char* backend : {"cuda-vmm", "cuda-ipc"}) {
+    Child trainer({trainer_bin(), "gu", "0", "--lend", std::string(backend) + ":8388608"});
+    const std::string line = trainer.wait_line("LEND_FAILED");
+    CHECK(line.find("BB_E_UNSUPPORTED") != std::string::npos);
+    CHECK(line.find("needs the CUDA driver") != std::string::npos);
+    CHECK(line.find("BUBBLE_CUDA_DRIVER") != std::string::npos);
+    const int status = trainer.wait_exit();
+    CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 3));
+  }
+  // The host backend needs no driver.
+  Child trainer({trainer_bin(), "gu", "0", "--lend", "host:1048576"});
+  CHECK(trainer.wait_line("LENT") != "");
+  trainer.signal(SIGTERM);
+  CHECK(trainer.wait_line("CLOSED") != "");
+  CHECK(trainer.wait_exit() == 0);
+}
+
+namespace {
+
+// The double's bookkeeping in this process (the trainer's side), through the loaded library.
+bool double_counts(bbdouble_counts* c, std::string* violations) {
+  void* h = dlopen(double_path().c_str(), RTLD_NOW | RTLD_NOLOAD);
+  if (!h) return false;
+  auto outstanding = reinterpret_cast<void (*)(bbdouble_counts*)>(dlsym(h, "bbdouble_outstanding"));
+  auto viol = reinterpret_cast<size_t (*)(char*, size_t)>(dlsym(h, "bbdouble_violations"));
+  if (outstanding) outstanding(c);
+  char buf[2048] = {0};
+  if (viol) viol(buf, sizeof buf);
+  *violations = buf;
+  dlclose(h);
+  return outstanding != nullptr;
+}
+
+void cuda_end_to_end(bb_grant_backend backend, const char* job) {
+  RuntimeDir dir;
+  ScopedEnv env("BUBBLE_CUDA_DRIVER", double_path());
+  const int fds_before = count_fds();
+  {
+    Trainer t(job);
+    t.lend(backend, 16 * kMiB);
+    Child task(task_args(job, "gpu", "iterative", {"--mem", std::to_string(kMiB),
+                                                   "--grant-seed", "42"}));
+    REQUIRE(task.wait_line("ATTACHED") != "");
+    const uint64_t gid = t.until_granted(task);
+    REQUIRE(gid != 0);
+    const uint64_t id = t.task_id("gpu");
+    const bb_grant_info_t g = t.grant_of(id);
+    CHECK(g.backend == uint32_t(backend));
+    CHECK(g.bytes == kMiB);
+    CHECK(g.mapped == 1);
+    // The double's device memory is host memory: the trainer's device pointer reads it.
+    CHECK(pattern_ok(g.address, g.bytes, 42));
+    const bb_grant_stats_t s = t.grants();
+    CHECK(s.capacity == 16 * kMiB);
+    CHECK(s.active == 1);
+    // cuda-vmm rounds a grant up to the allocation granularity (the double's: 2 MiB).
+    CHECK(s.granted_bytes == (backend == BB_GRANT_CUDA_VMM ? 2 * kMiB : kMiB));
+    REQUIRE(bb_trainer_revoke(t.h, id, bb_now_ns() + 30'000'000'000ull) == BB_OK);
+    REQUIRE(eventually([&] { return t.grants().revokes_acked == 1; }));
+    check_lender_empty(t.grants());
+    REQUIRE(bb_trainer_stop_task(t.h, id) == BB_OK);
+    CHECK(task.wait_line("RESULT").find("BB_E_STOPPED") != std::string::npos);
+    CHECK(task.wait_exit() == 0);
+  }
+  // Closing the hub gave every driver object back.
+  bbdouble_counts c{};
+  std::string violations;
+  REQUIRE(double_counts(&c, &violations));
+  CHECK(c.physical == 0);
+  CHECK(c.mappings == 0);
+  CHECK(c.reservations == 0);
+  CHECK(c.device_allocs == 0);
+  CHECK(c.ctx_retains == 0);
+  CHECK_MESSAGE(c.violations == 0, violations);
+  CHECK(count_fds() == fds_before);
+}
+
+}  // namespace
+
+TEST_CASE("cuda_vmm_grant_end_to_end_through_the_driver_double") {
+  cuda_end_to_end(BB_GRANT_CUDA_VMM, "gv");
+}
+
+TEST_CASE("cuda_ipc_grant_end_to_end_through_the_driver_double") {
+  cuda_end_to_end(BB_GRANT_CUDA_IPC, "gp");
+}
+
+TEST_CASE("task_without_a_cuda_driver_gives_a_cuda_grant_back") {
+  RuntimeDir dir;
+  ScopedEnv env("BUBBLE_CUDA_DRIVER", double_path());
+  Trainer t("gn");
+  t.lend(BB_GRANT_CUDA_VMM, 8 * kMiB);
+  std::unique_ptr<Child> task;
+  {
+    ScopedEnv none("BUBBLE_CUDA_DRIVER", "/nonexistent/libcuda.so.1");
+    task = std::make_unique<Child>(task_args("gn", "cpu", "iterative", {"--mem", "4096"}));
+  }
+  REQUIRE(task->wait_line("ATTACHED") != "");
+  // Its runtime cannot map the grant: it says why, gives the grant back and finishes.
+  CHECK(task->wait_line("RESULT").find("BB_E_UNSUPPORTED") != std::string::npos);
+  CHECK(task->wait_exit() == 0);
+  REQUIRE(eventually([&] { return t.stats().tasks_attached == 0 && t.grants().active == 0; }));
+  const bb_grant_stats_t s = t.grants();
+  CHECK(s.grants_made == 1);
+  CHECK(s.tasks_killed == 0);
+  check_lender_empty(s);
+}
+
+TEST_CASE("grant_words_from_a_task_are_believed_only_when_exact") {
+  RuntimeDir dir;
+  Trainer t("gw");
+  t.lend(BB_GRANT_HOST, 1 * kMiB);
+  std::string sock;
+  REQUIRE(bb::core::hub_paths(dir.path(), "gw", 0, &sock, nullptr) == BB_OK);
+  // This process plays a task at the wire level. It must give the grant back before it closes
+  // its connection: the trainer kills a task that leaves holding one, and that would be us.
+  bbtest::RawAttach raw;
+  REQUIRE(bbtest::raw_attach(sock, "raw", &raw));
+  const uint64_t id = t.task_id("raw");
+  uint64_t gid = 0;
+  REQUIRE(bb_trainer_grant(t.h, id, 4096, &gid) == BB_OK);
+
+  // The descriptor came first, then the record in the slot names the same grant.
+  char buf[bb::shm::kWireMaxMessage];
+  int fds[2], nfds;
+  const long n = bb::shm::recv_msg(raw.sock, buf, fds, &nfds);
+  REQUIRE(bb::shm::check_msg(buf, n, bb::shm::MsgType::kGrantFd, sizeof(bb::shm::GrantFdMsg)));
+  REQUIRE(nfds == 1);
+  bb::shm::GrantFdMsg m;
+  std::memcpy(&m, buf, sizeof m);
+  CHECK(m.grant_id == gid);
+  close(fds[0]);
+  const int64_t hub_size = bb::shm::segment_size(raw.hub_fd);
+  std::string err;
+  bb::shm::Mapping hub = bb::shm::map_segment(raw.hub_fd, size_t(hub_size), false, &err);
+  REQUIRE(hub);
+  const bb::shm::SlotCtl* ctl = bb::shm::HubView{hub.data()}.slot(raw.reply.slot);
+  CHECK(ctl->grant_id.load() == gid);
+  CHECK(ctl->grant.id == gid);
+  CHECK(ctl->grant.size == 4096);
+  bb::shm::Mapping page = bb::shm::map_segment(raw.page_fd, bb::shm::kTaskPageSize, true, &err);
+  REQUIRE(page);
+  auto* p = reinterpret_cast<bb::shm::TaskPage*>(page.data());
+
+  auto nudge = [&](uint64_t claimed) {
+    auto a = bb::shm::make_msg<bb::shm::GrantAckMsg>(bb::shm::MsgType::kGrantAck);
+    a.grant_id = claimed;
+    REQUIRE(bb::shm::send_msg(raw.sock, &a, sizeof a, nullptr, 0) == 0);
+  };
+  // Wrong ids, a nudge that claims the right one, and junk on the socket: the grant stays.
+  p->grant_released.store(gid + 1);
+  nudge(gid);
+  const char junk[] = "not a message";
+  REQUIRE(bb::shm::send_msg(raw.sock, junk, sizeof junk, nullptr, 0) == 0);
+  p->grant_released.store(~gid);
+  nudge(~gid);
+  // Each call below is served by the service thread, at the latest in the loop after the one
+  // that found these messages queued, and the grant words are looked at in every loop.
+  REQUIRE(bb_trainer_revoke(t.h, id, bb_now_ns() + 60'000'000'000ull) == BB_OK);
+  CHECK(t.grant_of(id).state == BB_GRANT_STATE_REVOKING);
+  CHECK(t.grants().active + t.grants().revoking == 1);
+  CHECK(ctl->revoke_id.load() == gid);
+  CHECK(t.stats().tasks_attached == 1);
+  // The exact id: released at once, and counted as an ack.
+  p->grant_released.store(gid);
+  nudge(gid);
+  REQUIRE(eventually([&] { return t.grants().revokes_acked == 1; }));
+  check_lender_empty(t.grants());
+  CHECK(ctl->grant_id.load() == 0);
+  CHECK(ctl->revoke_id.load() == 0);
+  CHECK(t.grants().tasks_killed == 0);
+
+  // A task that corrupts its slot is never started again, so its grant is asked back.
+  uint64_t gid2 = 0;
+  REQUIRE(bb_trainer_grant(t.h, id, 4096, &gid2) == BB_OK);
+  const long n2 = bb::shm::recv_msg(raw.sock, buf, fds, &nfds);
+  CHECK(n2 == long(sizeof(bb::shm::GrantFdMsg)));
+  for (int f = 0; f < nfds; ++f) close(fds[f]);
+  p->cmd_head.store(1000);  // past the trainer's tail: a lie the trainer catches
+  REQUIRE(t.bubbles_until([&] { return ctl->revoke_id.load() == gid2; }, 200));
+  CHECK(ctl->bad.load() == 1);
+  p->grant_released.store(gid2);
+  nudge(gid2);
+  REQUIRE(eventually([&] { return t.grants().revokes_acked == 2; }));
+  check_lender_empty(t.grants());
+  CHECK(t.grants().tasks_killed == 0);
+}
