@@ -16,10 +16,24 @@ void BubblePredictor::push(History* h, uint64_t duration_ns) noexcept {
   h->window[h->next] = duration_ns;
   h->next = static_cast<uint8_t>((h->next + 1) % kWindow);
   if (h->count < kWindow) ++h->count;
-  // Insertion sort of at most five values: a dozen compares, cheaper than any selection
-  // algorithm at this size, and done here so predict() is a single load.
+  // Done here so predict() is a single load. A full window (the steady state) goes through a
+  // 9-comparator sorting network of min/max, which compiles to conditional moves: no branch to
+  // mispredict on the bubble path. The first few observations use a plain insertion sort.
   uint64_t v[kWindow];
   const uint32_t n = h->count;
+  static_assert(kWindow == 5, "the sorting network below is for five values");
+  if (n == kWindow) {
+    for (uint32_t i = 0; i < kWindow; ++i) v[i] = h->window[i];
+    auto cas = [&v](int a, int b) {
+      const uint64_t lo = v[a] < v[b] ? v[a] : v[b], hi = v[a] < v[b] ? v[b] : v[a];
+      v[a] = lo;
+      v[b] = hi;
+    };
+    cas(0, 1); cas(3, 4); cas(2, 4); cas(2, 3); cas(0, 3);
+    cas(0, 2); cas(1, 4); cas(1, 3); cas(1, 2);
+    h->prediction = v[2];
+    return;
+  }
   for (uint32_t i = 0; i < n; ++i) {
     uint64_t x = h->window[i];
     uint32_t j = i;

@@ -227,8 +227,8 @@ bool Task::flush_steps() {
   return true;
 }
 
-void Task::push_report(shm::ReportType type, uint64_t a, uint64_t b) {
-  shm::Report r{uint16_t(type), 1, epoch_, now_ns(), a, b};
+void Task::push_report(shm::ReportType type, uint64_t a, uint64_t b, uint64_t ts) {
+  shm::Report r{uint16_t(type), 1, epoch_, ts ? ts : now_ns(), a, b};
   const bool flushed = flush_steps();
   if (flushed && shm::ring_push(page_->reports, ctl_->report_head, report_cached_head_, r) ==
                      shm::RingStatus::kOk)
@@ -314,10 +314,11 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
       }
       epoch_ = cmd.epoch;
       current_ = cmd;
+      stale_slice_ns_ = kFirstStaleSliceNs;
       page_->started_epoch.store(cmd.epoch, std::memory_order_relaxed);
       page_->state.store(uint32_t(shm::TaskRunState::kRunning), std::memory_order_relaxed);
       const uint64_t now = now_ns();
-      push_report(shm::ReportType::kStarted, now > cmd.begin_ns ? now - cmd.begin_ns : 0, 0);
+      push_report(shm::ReportType::kStarted, now > cmd.begin_ns ? now - cmd.begin_ns : 0, 0, now);
       if (out) {
         out->kind = cmd.kind;
         out->bubble_seq = cmd.bubble_seq;
@@ -348,6 +349,7 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
 
 bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until) {
   const std::atomic<uint32_t>* word = &ctl_->doorbell;
+  if (word->load(std::memory_order_relaxed) != bell) return BB_OK;
   if (opts_.wake_mode == BB_WAKE_SPIN) {
     if (shm::spin_until_changed(word, bell, std::min<uint64_t>(until - now, kLivenessSliceNs)))
       return BB_OK;
@@ -369,6 +371,13 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until) {
     } else if (next > now + lead) {
       sleep_until = std::min(until, next - lead);
       spin = 0;
+      adapt = false;
+    } else if (next != 0) {
+      // The prediction is behind us (a long bubble, or a late one): the trainer will publish a
+      // new one without ringing our doorbell, so sleep in slices that grow while it stays stale
+      // (1 ms, 2 ms, ... up to the liveness slice) to pick the new one up.
+      sleep_until = std::min(until, now + stale_slice_ns_);
+      stale_slice_ns_ = std::min<uint64_t>(stale_slice_ns_ * 2, kLivenessSliceNs);
       adapt = false;
     }
   }

@@ -45,7 +45,7 @@ class Task {
   void release();             // drop the connection and mappings
   bool trainer_gone();        // the connection closed or the hub is closing
   bb_status wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until);
-  void push_report(shm::ReportType type, uint64_t a, uint64_t b);
+  void push_report(shm::ReportType type, uint64_t a, uint64_t b, uint64_t ts = 0);
   bool flush_steps();
   void ack(uint32_t epoch, bool yielded);
   void finish_report(bool failed);
@@ -77,6 +77,8 @@ class Task {
   // a task with many short steps loses no time from the statistics.
   shm::Report pending_steps_{};
   uint64_t spin_ns_ = 0;        // adaptive spin before sleeping
+  uint64_t stale_slice_ns_ = kFirstStaleSliceNs;  // predictive wake: see wait_for_doorbell
+  static constexpr uint64_t kFirstStaleSliceNs = 1'000'000;
   bool stopped_ = false;
   bool finished_ = false;
 

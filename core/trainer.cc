@@ -312,27 +312,12 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   refresh_slots();
   const uint64_t now = now_ns();
   if (open_) end_locked(now);
-
   if (expected_ns == 0) expected_ns = predictor_.predict(kind);
-  if (last_end_ns_ != 0) gap_predictor_.observe(BB_BUBBLE_OTHER, now - last_end_ns_);
   const uint64_t deadline = expected_ns ? now + expected_ns : 0;
-  kind_ = kind;
-  begin_ns_ = now;
-  open_ = true;
-
   shm::BubbleState* b = hub_.bubble();
   const uint64_t seq = b->seq.load(std::memory_order_relaxed) + 1;
-  const uint64_t v = b->version.load(std::memory_order_relaxed);
-  b->version.store(v + 1, std::memory_order_relaxed);
-  std::atomic_thread_fence(std::memory_order_release);
-  b->seq.store(seq, std::memory_order_relaxed);
-  b->kind.store(uint32_t(kind), std::memory_order_relaxed);
-  b->begin_ns.store(now, std::memory_order_relaxed);
-  b->deadline_ns.store(deadline, std::memory_order_relaxed);
-  b->free_mem.store(free_mem, std::memory_order_relaxed);
-  b->open.store(1, std::memory_order_relaxed);
-  b->version.store(v + 2, std::memory_order_release);
 
+  // Start the tasks first: what follows is bookkeeping no waiting task needs.
   uint32_t picked[BB_MAX_SLOTS_LIMIT];
   const Offer offer{free_mem, expected_ns};
   const uint32_t n = pick_tasks(cands_, span_, offer, opts_.max_running, rr_cursor_,
@@ -357,7 +342,6 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
       mark_bad(i);  // task_ready() saw room a moment ago: the task moved its index backwards
       continue;
     }
-    c->started_ns.store(now, std::memory_order_relaxed);
     c->given_epoch.store(s.epoch, std::memory_order_relaxed);
     c->run_epoch.store(s.epoch, std::memory_order_release);
     c->doorbell.fetch_add(1, std::memory_order_release);
@@ -368,8 +352,28 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
       shm::futex_wake(&c->doorbell, INT_MAX);
       ++wakes;
     }
+    c->started_ns.store(now, std::memory_order_relaxed);
     running_[n_running_++] = i;
   }
+
+  if (last_end_ns_ != 0) gap_predictor_.observe(BB_BUBBLE_OTHER, now - last_end_ns_);
+  // When the next bubble should begin: this one's expected end plus the gap that followed this
+  // position before. Tasks waiting for it sleep until shortly before (predictive wake).
+  const uint64_t gap = gap_predictor_.predict(BB_BUBBLE_OTHER);
+  kind_ = kind;
+  begin_ns_ = now;
+  open_ = true;
+  const uint64_t v = b->version.load(std::memory_order_relaxed);
+  b->version.store(v + 1, std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_release);
+  b->seq.store(seq, std::memory_order_relaxed);
+  b->kind.store(uint32_t(kind), std::memory_order_relaxed);
+  b->begin_ns.store(now, std::memory_order_relaxed);
+  b->deadline_ns.store(deadline, std::memory_order_relaxed);
+  b->free_mem.store(free_mem, std::memory_order_relaxed);
+  b->open.store(1, std::memory_order_relaxed);
+  b->next_begin_ns.store(deadline && gap ? deadline + gap : 0, std::memory_order_relaxed);
+  b->version.store(v + 2, std::memory_order_release);
   if (n) starts_.store(starts_.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
   if (wakes) wakes_.store(wakes_.load(std::memory_order_relaxed) + wakes, std::memory_order_relaxed);
   shm::log_event(hub_, shm::EventKind::kBubbleBegin, 0xffff, now, expected_ns, free_mem);
@@ -384,6 +388,11 @@ bb_status Trainer::end() {
 }
 
 void Trainer::end_locked(uint64_t now) {
+  shm::BubbleState* b = hub_.bubble();
+  // Publish the next bubble's predicted begin before pausing anyone, so a task that acks and
+  // goes back to waiting already sees it.
+  const uint64_t gap = gap_predictor_.predict(BB_BUBBLE_OTHER);
+  b->next_begin_ns.store(gap ? now + gap : 0, std::memory_order_relaxed);
   uint64_t wakes = 0, pauses = 0;
   for (uint32_t k = 0; k < n_running_; ++k) {
     const uint32_t i = running_[k];
@@ -397,12 +406,14 @@ void Trainer::end_locked(uint64_t now) {
     shm::Command cmd{};
     cmd.type = uint32_t(shm::CommandType::kPause);
     cmd.epoch = s.epoch;
-    cmd.bubble_seq = hub_.bubble()->seq.load(std::memory_order_relaxed);
+    cmd.bubble_seq = b->seq.load(std::memory_order_relaxed);
     // A full ring only loses the detail: run_epoch already says "pause".
     (void)shm::ring_push(c->commands, s.page->cmd_head, s.cmd_cached_head, cmd);
     c->doorbell.fetch_add(1, std::memory_order_release);
     std::atomic_thread_fence(std::memory_order_seq_cst);
-    if (s.page->sleeping.load(std::memory_order_relaxed)) {
+    // A task that acked meanwhile is waiting for the next start, not for this pause.
+    if (s.page->sleeping.load(std::memory_order_relaxed) &&
+        s.page->acked_epoch.load(std::memory_order_relaxed) != s.epoch) {
       shm::futex_wake(&c->doorbell, INT_MAX);
       ++wakes;
     }
@@ -412,7 +423,6 @@ void Trainer::end_locked(uint64_t now) {
   open_ = false;
   const uint64_t dur = now - begin_ns_;
   predictor_.observe(kind_, dur);  // every bubble, so positions stay in step with the iteration
-  shm::BubbleState* b = hub_.bubble();
   const uint64_t v = b->version.load(std::memory_order_relaxed);
   b->version.store(v + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
@@ -420,10 +430,8 @@ void Trainer::end_locked(uint64_t now) {
   b->end_ns.store(now, std::memory_order_relaxed);
   b->bubbles.store(b->bubbles.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   b->bubble_ns.store(b->bubble_ns.load(std::memory_order_relaxed) + dur, std::memory_order_relaxed);
-  const uint64_t gap = gap_predictor_.predict(BB_BUBBLE_OTHER);
-  b->next_begin_ns.store(gap ? now + gap : 0, std::memory_order_relaxed);
-  last_end_ns_ = now;
   b->version.store(v + 2, std::memory_order_release);
+  last_end_ns_ = now;
   if (pauses) pauses_.store(pauses_.load(std::memory_order_relaxed) + pauses, std::memory_order_relaxed);
   if (wakes) wakes_.store(wakes_.load(std::memory_order_relaxed) + wakes, std::memory_order_relaxed);
   shm::log_event(hub_, shm::EventKind::kBubbleEnd, 0xffff, now, dur, 0);
@@ -800,15 +808,7 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   r.slot = i;
   r.generation = gen;
   r.hub_size = hub_map_.size();
-  const int fds[2] = {hub_fd_.get(), s.page_fd.get()};
-  if (shm::send_msg(c.fd.get(), &r, sizeof r, fds, 2) != 0) {
-    s.page = nullptr;
-    s.page_map.reset();
-    s.page_fd.reset();
-    s.pidfd.reset();
-    s.conn = -1;
-    return;
-  }
+  // Publish before replying, so that once bb_task_attach returns the trainer lists the task.
   c.kind = Conn::kTask;
   c.slot = int(i);
   ctl->state.store(uint32_t(SlotState::kActive), std::memory_order_release);
@@ -817,6 +817,15 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   retry_grants_ = true;
   publish_change();
   shm::log_event(hub_, shm::EventKind::kTaskAttach, uint16_t(i), now_ns(), uint64_t(cred.pid), 0);
+  const int fds[2] = {hub_fd_.get(), s.page_fd.get()};
+  if (shm::send_msg(c.fd.get(), &r, sizeof r, fds, 2) != 0) {
+    // The task went away during the attach. The caller drops the connection (it is still a
+    // hello to it); reclaim frees the slot through the usual hand-off with the bubble thread.
+    s.conn = -1;
+    c.kind = Conn::kHello;
+    c.slot = -1;
+    reclaim(i, true);
+  }
 }
 
 void Trainer::handle_observer_request(Conn& c) {

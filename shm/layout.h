@@ -24,7 +24,7 @@ constexpr uint32_t kLayoutVersion = 1;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kNameBytes = 48;  // BB_NAME_MAX + NUL
 constexpr uint32_t kCommandRingSize = 16;
-constexpr uint32_t kReportRingSize = 128;
+constexpr uint32_t kReportRingSize = 64;
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
 static_assert(std::atomic<uint32_t>::is_always_lock_free);
@@ -232,7 +232,7 @@ struct HubGeometry {
 };
 HubGeometry hub_geometry(uint32_t max_slots, uint32_t event_capacity);
 
-constexpr size_t kTaskPageSize = 8192;
+constexpr size_t kTaskPageSize = 4096;
 static_assert(sizeof(TaskPage) <= kTaskPageSize);
 
 // Typed views over a mapped hub (base must point at a validated hub).

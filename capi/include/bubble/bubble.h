@@ -149,11 +149,15 @@ typedef struct bb_trainer_stats_t {
   uint64_t steps;               /* side-task steps reported */
   uint64_t start_latency_p50_ns, start_latency_p99_ns; /* bubble begin -> task running */
   uint64_t pause_latency_p50_ns, pause_latency_p99_ns; /* bubble end -> task acked pause */
-  uint64_t tasks_reclaimed;     /* slots freed because their task died or detached */
+  uint64_t tasks_reclaimed;     /* slots freed after their task detached or died (a slot is
+                                   freed at the trainer's next bubble call after that) */
   uint64_t tasks_bad;           /* tasks marked bad for corrupting their slot */
   uint64_t events_dropped;      /* reports lost to full rings */
 } bb_trainer_stats_t;
 
+/* Counters from the bubble thread (bubbles, starts, pauses, wakes) are current; those drawn from
+ * task reports (steps, task time, latencies, drops) are collected by the hub's service thread
+ * every 10 ms while tasks are attached, so they trail by up to that much. */
 BB_API bb_status bb_trainer_stats(bb_trainer_h trainer, bb_trainer_stats_t *out);
 
 typedef struct bb_task_info_t {
@@ -242,8 +246,9 @@ typedef struct bb_start_info_t {
  * forever. BB_E_TIMEOUT, BB_E_STOPPED (finish and detach) and BB_E_TRAINER_GONE are the
  * expected non-OK results. out may be NULL. */
 BB_API bb_status bb_task_wait_start(bb_task_h task, int64_t timeout_ns, bb_start_info_t *out);
-/* Imperative: 1 when the task must pause (the bubble ended, or it was told to stop), else 0.
- * One load from shared memory; returns an int, not a bb_status, and never fails. */
+/* Imperative: 1 when the task must pause (the bubble ended, it was told to stop, or its memory
+ * grant is being revoked), else 0. One load from shared memory (two while the task holds a
+ * grant); returns an int, not a bb_status, and never fails. */
 BB_API int bb_task_should_pause(bb_task_h task);
 /* Imperative: the task has stopped running device work for this bubble. */
 BB_API bb_status bb_task_ack_pause(bb_task_h task);
