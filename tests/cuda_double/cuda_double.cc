@@ -18,7 +18,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <atomic>
+#include <deque>
 #include <map>
+#include <set>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -27,11 +30,29 @@ struct CUctx_st {
   int device;
 };
 
+// An event: its completion lives in a memfd page so that a process that opened it through
+// cuIpcOpenEventHandle sees the same state. recorded counts records, done the last one the
+// "GPU" finished; the event is complete when done >= recorded (never recorded: complete).
+struct EventShared {
+  std::atomic<uint64_t> recorded;
+  std::atomic<uint64_t> done;
+};
+struct CUevent_st {
+  uint32_t magic;
+  unsigned flags;
+  int memfd;
+  EventShared* sh;
+  bool imported;
+  uint64_t serial;
+};
+
 namespace {
 
 constexpr int kDriverVersion = 13000;
 constexpr int kMaxDevices = 8;
 constexpr char kIpcMagic[8] = {'B', 'B', 'D', 'B', 'L', 'I', 'P', 'C'};
+constexpr char kIpcEventMagic[8] = {'B', 'B', 'D', 'B', 'L', 'E', 'V', 'T'};
+constexpr uint32_t kEventMagic = 0x45564e54;
 
 struct IpcWire {
   char magic[8];
@@ -93,6 +114,9 @@ struct State {
   std::map<CUdeviceptr, Mapping> mappings;
   std::map<CUdeviceptr, DeviceAlloc> allocs;
   std::map<std::pair<int, uint64_t>, IpcOpen> ipc_opens;  // (pid, serial)
+  std::set<CUevent> events;
+  // Records not yet finished, per stream, in stream order: (event, its record number).
+  std::map<CUstream, std::deque<std::pair<CUevent, uint64_t>>> pending;
 
   void read_env() {
     auto num = [](const char* name, long dflt) {
@@ -152,6 +176,7 @@ const char* result_name(CUresult rc) {
     case CUDA_ERROR_NOT_PERMITTED: return "CUDA_ERROR_NOT_PERMITTED";
     case CUDA_ERROR_ALREADY_MAPPED: return "CUDA_ERROR_ALREADY_MAPPED";
     case CUDA_ERROR_OPERATING_SYSTEM: return "CUDA_ERROR_OPERATING_SYSTEM";
+    case CUDA_ERROR_NOT_READY: return "CUDA_ERROR_NOT_READY";
     default: return nullptr;
   }
 }
@@ -272,6 +297,28 @@ __attribute__((visibility("default"))) void bbdouble_outstanding(bbdouble_counts
   for (int i = 0; i < kMaxDevices; ++i) out->ctx_retains += s.retains[i];
   out->proc_lookups = s.proc_lookups;
   out->violations = s.violations.size();
+  for (CUevent e : s.events) (e->imported ? out->ipc_event_opens : out->events) += 1;
+}
+
+__attribute__((visibility("default"))) int bbdouble_stream_progress(void* stream, int n) {
+  std::lock_guard<std::mutex> lock(st().mu);
+  auto it = st().pending.find(static_cast<CUstream>(stream));
+  if (it == st().pending.end()) return 0;
+  int done = 0;
+  while (!it->second.empty() && (n < 0 || done < n)) {
+    auto [ev, gen] = it->second.front();
+    it->second.pop_front();
+    uint64_t cur = ev->sh->done.load();
+    if (gen > cur) ev->sh->done.store(gen);
+    ++done;
+  }
+  return done;
+}
+
+__attribute__((visibility("default"))) int bbdouble_stream_pending(void* stream) {
+  std::lock_guard<std::mutex> lock(st().mu);
+  auto it = st().pending.find(static_cast<CUstream>(stream));
+  return it == st().pending.end() ? 0 : int(it->second.size());
 }
 
 __attribute__((visibility("default"))) size_t bbdouble_log(char* buf, size_t cap) {
@@ -725,6 +772,124 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
   return c.ret(CUDA_SUCCESS);
 }
 
+}  // extern "C"
+
+// ---- events and stream order ------------------------------------------------------------------
+
+namespace {
+
+bool valid_event(CUevent e) { return e && st().events.count(e) && e->magic == kEventMagic; }
+
+CUevent new_event(int memfd, unsigned flags, bool imported, uint64_t serial) {
+  void* p = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
+  if (p == MAP_FAILED) return nullptr;
+  auto* e = new CUevent_st{kEventMagic, flags, memfd, static_cast<EventShared*>(p), imported, serial};
+  st().events.insert(e);
+  return e;
+}
+
+}  // namespace
+
+extern "C" {
+
+CUresult CUDAAPI cuEventCreate(CUevent* out, unsigned int flags) {
+  Call c("cuEventCreate");
+  c.arg("flags", flags);
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  if (!out) return c.violation(CUDA_ERROR_INVALID_VALUE, "null pointer");
+  if ((flags & CU_EVENT_INTERPROCESS) && !(flags & CU_EVENT_DISABLE_TIMING))
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "CU_EVENT_INTERPROCESS needs CU_EVENT_DISABLE_TIMING");
+  if (c.inject("event")) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
+  const int fd = make_memfd(4096);
+  if (fd < 0) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
+  *out = new_event(fd, flags, false, st().next_serial++);
+  if (!*out) {
+    close(fd);
+    return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
+  }
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuEventRecord(CUevent e, CUstream stream) {
+  Call c("cuEventRecord");
+  c.arg("stream", reinterpret_cast<uintptr_t>(stream));
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  if (!valid_event(e)) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live event");
+  const uint64_t gen = e->sh->recorded.fetch_add(1) + 1;
+  st().pending[stream].emplace_back(e, gen);
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuEventQuery(CUevent e) {
+  Call c("cuEventQuery");
+  if (!valid_event(e)) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live event");
+  return c.ret(e->sh->done.load() >= e->sh->recorded.load() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY);
+}
+
+CUresult CUDAAPI cuEventDestroy(CUevent e) {
+  Call c("cuEventDestroy");
+  if (!valid_event(e)) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live event");
+  for (auto& [stream, q] : st().pending)
+    for (auto it = q.begin(); it != q.end();) it = it->first == e ? q.erase(it) : it + 1;
+  munmap(e->sh, 4096);
+  close(e->memfd);
+  st().events.erase(e);
+  e->magic = 0;
+  delete e;
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuStreamWaitEvent(CUstream stream, CUevent e, unsigned int flags) {
+  Call c("cuStreamWaitEvent");
+  c.arg("stream", reinterpret_cast<uintptr_t>(stream)).arg("flags", flags);
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  if (!valid_event(e)) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live event");
+  if (flags != 0) return c.violation(CUDA_ERROR_INVALID_VALUE, "flags must be CU_EVENT_WAIT_DEFAULT");
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuIpcGetEventHandle(CUipcEventHandle* handle, CUevent e) {
+  Call c("cuIpcGetEventHandle");
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  if (!valid_event(e) || !handle) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live event");
+  if (!(e->flags & CU_EVENT_INTERPROCESS) || !(e->flags & CU_EVENT_DISABLE_TIMING))
+    return c.violation(CUDA_ERROR_INVALID_VALUE,
+                       "event not created with CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING");
+  if (c.inject("export")) return c.ret(CUDA_ERROR_NOT_SUPPORTED);
+  IpcWire w{};
+  std::memcpy(w.magic, kIpcEventMagic, sizeof w.magic);
+  w.pid = getpid();
+  w.fd = e->memfd;
+  w.size = 4096;
+  w.serial = e->serial;
+  std::memset(handle, 0, sizeof *handle);
+  std::memcpy(handle, &w, sizeof w);
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuIpcOpenEventHandle(CUevent* out, CUipcEventHandle handle) {
+  Call c("cuIpcOpenEventHandle");
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  IpcWire w;
+  std::memcpy(&w, &handle, sizeof w);
+  if (std::memcmp(w.magic, kIpcEventMagic, sizeof w.magic) != 0) return c.ret(CUDA_ERROR_INVALID_VALUE);
+  if (c.inject("import")) return c.ret(CUDA_ERROR_INVALID_HANDLE);
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/%d/fd/%d", w.pid, w.fd);
+  const int fd = open(path, O_RDWR | O_CLOEXEC);
+  if (fd < 0) return c.ret(CUDA_ERROR_INVALID_HANDLE);
+  *out = new_event(fd, CU_EVENT_INTERPROCESS | CU_EVENT_DISABLE_TIMING, true, w.serial);
+  if (!*out) {
+    close(fd);
+    return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
+  }
+  return c.ret(CUDA_SUCCESS);
+}
+
+}  // extern "C"
+
+extern "C" {
+
 // ---- entry point lookup -----------------------------------------------------------------------
 
 CUresult CUDAAPI cuGetProcAddress(const char* symbol, void** pfn, int version, cuuint64_t flags,
@@ -746,7 +911,9 @@ CUresult CUDAAPI cuGetProcAddress(const char* symbol, void** pfn, int version, c
       BBD_ENTRY_(cuMemRelease), BBD_ENTRY_(cuMemExportToShareableHandle),
       BBD_ENTRY_(cuMemImportFromShareableHandle), BBD_ENTRY_(cuMemAddressReserve),
       BBD_ENTRY_(cuMemAddressFree), BBD_ENTRY_(cuMemMap), BBD_ENTRY_(cuMemUnmap),
-      BBD_ENTRY_(cuMemSetAccess),
+      BBD_ENTRY_(cuMemSetAccess), BBD_ENTRY_(cuEventCreate), BBD_ENTRY_(cuEventRecord),
+      BBD_ENTRY_(cuEventQuery), BBD_ENTRY_(cuEventDestroy), BBD_ENTRY_(cuStreamWaitEvent),
+      BBD_ENTRY_(cuIpcGetEventHandle), BBD_ENTRY_(cuIpcOpenEventHandle),
   };
 #undef BBD_ENTRY_
   if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;

@@ -11,7 +11,8 @@
  *                                   export (cuMemExportToShareableHandle, cuIpcGetMemHandle),
  *                                   import (cuMemImportFromShareableHandle, cuIpcOpenMemHandle),
  *                                   map (cuMemMap), access (cuMemSetAccess),
- *                                   reserve (cuMemAddressReserve).
+ *                                   reserve (cuMemAddressReserve), event (cuEventCreate);
+ *                                   export and import also cover cuIpcGet/OpenEventHandle.
  *   BUBBLE_CUDA_DOUBLE_DEVICES      GPUs to pretend (default 1; 0 makes cuInit fail NO_DEVICE).
  *   BUBBLE_CUDA_DOUBLE_GRANULARITY  allocation granularity in bytes (default 2 MiB).
  *   BUBBLE_CUDA_DOUBLE_NO_PROC_ADDRESS=1  cuGetProcAddress finds nothing (loaders fall back).
@@ -36,6 +37,8 @@ typedef struct bbdouble_counts {
   uint64_t ctx_retains;   /* primary context references not released */
   uint64_t proc_lookups;  /* symbols served by cuGetProcAddress since the last reset */
   uint64_t violations;    /* misuses seen since the last reset */
+  uint64_t events;        /* cuEventCreate events not destroyed */
+  uint64_t ipc_event_opens; /* cuIpcOpenEventHandle events not destroyed */
 } bbdouble_counts;
 
 /* Re-reads the environment, clears the call log, the violations and the failure counters.
@@ -47,6 +50,14 @@ void bbdouble_outstanding(bbdouble_counts *out);
 size_t bbdouble_log(char *buf, size_t cap);
 /* The violations since the last reset, one per line; same convention. */
 size_t bbdouble_violations(char *buf, size_t cap);
+
+/* Stream order. The double runs no work: an event recorded on a stream stays not ready
+ * (cuEventQuery gives CUDA_ERROR_NOT_READY) until the test lets "the GPU" reach it.
+ * bbdouble_stream_progress completes the next n records of that stream in order (n < 0: all)
+ * and returns how many; bbdouble_stream_pending says how many wait. Completion is seen by every
+ * process that opened the event through cuIpcOpenEventHandle. */
+int bbdouble_stream_progress(void *stream, int n);
+int bbdouble_stream_pending(void *stream);
 
 #ifdef __cplusplus
 }

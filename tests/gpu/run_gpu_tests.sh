@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs the memory-grant tests on a machine with an NVIDIA GPU and driver, as is:
 #   tests/gpu/run_gpu_tests.sh            (BUILD_DIR=... to choose the build directory)
-# Builds the GPU test program (and libbubble under it), then runs it for cuda-vmm and cuda-ipc:
-# lend, grant, a kernel in a second process writes a pattern, the trainer checks it, revoke.
-# Exit 0 only if both passed.
+# Builds the GPU test programs (and libbubble under them) and runs: the grant test for cuda-vmm and
+# cuda-ipc (lend, grant, a kernel in a second process writes a pattern, the trainer checks it,
+# revoke); GPU-timed bubbles on a real stream; the NCCL pipeline example (2+ GPUs).
+# Exit 0 only if all passed.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=${BUILD_DIR:-$root/build-gpu}
@@ -27,4 +28,26 @@ for backend in cuda-vmm cuda-ipc; do
   echo "== $backend"
   "$exe" "$backend" || status=1
 done
+
+# GPU-timed bubbles: marks on a stream behind real kernels.
+cmake --build "$build" -j"$(nproc)" --target bubble_stream_timing_gpu_test
+echo "== stream timing"
+"$(find "$build" -type f -name bubble_stream_timing_gpu_test -perm -u+x | head -n1)" || status=1
+
+# The NCCL pipeline example: stages passing activations with NCCL send/recv, bubbles found by
+# the NCCL profiler plugin alone, a CUDA side task per stage using its memory grant. It needs one
+# GPU per stage.
+gpus=$(nvidia-smi -L | grep -c '^GPU ')
+if cmake --build "$build" -j"$(nproc)" --target nccl_pipeline nccl_side_task nccl_profiler_bubble; then
+  pipeline=$(find "$build" -type f -name nccl_pipeline -perm -u+x | head -n1)
+  if [ "$gpus" -ge 2 ]; then
+    echo "== nccl pipeline ($gpus GPUs)"
+    "$pipeline" --stages 2 --side-tasks || status=1
+  else
+    echo "== nccl pipeline: skipped, it needs 2 GPUs and this machine has $gpus"
+  fi
+else
+  echo "nccl pipeline example did not build (is NCCL installed with the CUDA Toolkit?)" >&2
+  status=1
+fi
 exit $status

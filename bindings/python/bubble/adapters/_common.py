@@ -1,0 +1,120 @@
+"""What every adapter shares: the schedule it publishes and the bubble it opens per wait."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+from .. import now_ns
+from ..trainer import BubbleKind, Trainer
+
+_KINDS = ("gpipe", "1f1b", "interleaved", "zbh1")
+
+
+@dataclass(frozen=True)
+class PipelineSchedule:
+    """A pipeline schedule as a framework states it (names as in docs/SCHEDULES.md).
+
+    stages: pipeline depth p; stage: this rank's stage 0..p-1; micro_batches: m per iteration;
+    chunks: model chunks per stage (interleaved v, else 1).
+    """
+
+    stages: int
+    stage: int
+    micro_batches: int
+    kind: str = "1f1b"
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"schedule kind {self.kind!r} is not one of {', '.join(_KINDS)}")
+        if self.stages < 1 or not 0 <= self.stage < self.stages:
+            raise ValueError(f"stage {self.stage} is not in 0..{self.stages - 1} "
+                             f"(stages={self.stages})")
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be at least 1, not {self.micro_batches}")
+        if self.chunks < 1 or (self.chunks > 1) != (self.kind == "interleaved"):
+            raise ValueError("chunks > 1 goes with kind='interleaved' only (and it needs >= 2)")
+
+    def receives_per_iteration(self) -> int:
+        """Tensors this stage receives per iteration: activations for every virtual stage but
+        the first, gradients for every virtual stage but the last."""
+        virtual = self.micro_batches * self.chunks
+        fwd = virtual - (self.micro_batches if self.stage == 0 else 0)
+        bwd = virtual - (self.micro_batches if self.stage == self.stages - 1 else 0)
+        return fwd + bwd
+
+    def kind_of(self, wait_index: int) -> BubbleKind:
+        """The kind of the n-th wait of an iteration: a stage after the first idles from the
+        iteration's start until its first input arrives (warm-up); every later wait of the
+        iteration is steady. (The cool-down idle time after a stage's last op holds no receive.)"""
+        if wait_index == 0 and self.stage > 0:
+            return BubbleKind.WARMUP
+        return BubbleKind.STEADY
+
+
+@dataclass(frozen=True)
+class WaitRecord:
+    iteration: int
+    index: int        # the wait's number within its iteration
+    kind: BubbleKind
+    name: str         # what the framework called it ("recv", "forward-recv", "RecvGrad", ...)
+    begin_ns: int
+    end_ns: int
+
+
+class WaitReporter:
+    """Opens one bubble per wait on the trainer and numbers waits per iteration.
+
+    expected: announced bubble length in seconds (None: the library predicts it per position);
+    free_mem: device bytes side tasks may use during waits (None: unknown);
+    record: keep a WaitRecord per wait in `records`.
+    """
+
+    def __init__(self, trainer: Trainer, schedule: PipelineSchedule, *,
+                 expected: float | None = None, free_mem: int | None = None,
+                 record: bool = False) -> None:
+        self.trainer = trainer
+        self.schedule = schedule
+        self.expected = expected
+        self.free_mem = free_mem
+        self.records: list[WaitRecord] | None = [] if record else None
+        self.iterations = 0
+        self.waits = 0              # all waits reported
+        self._index = 0             # waits in the current iteration
+        self._open = False
+
+    def iteration(self) -> None:
+        """A training iteration starts: the predictor counts bubble positions from here."""
+        self.trainer.iteration()
+        self.iterations += 1
+        self._index = 0
+
+    @property
+    def in_wait(self) -> bool:
+        return self._open
+
+    def begin(self, name: str) -> tuple[int, BubbleKind, int]:
+        kind = self.schedule.kind_of(self._index)
+        token = (self._index, kind, now_ns())
+        self.trainer.bubble_begin(self.expected, free_mem=self.free_mem, kind=kind)
+        self._open = True
+        self._index += 1
+        self.waits += 1
+        return token
+
+    def end(self, name: str, token: tuple[int, BubbleKind, int]) -> None:
+        self._open = False
+        self.trainer.bubble_end()
+        if self.records is not None:
+            index, kind, begin = token
+            self.records.append(WaitRecord(self.iterations, index, kind, name, begin, now_ns()))
+
+    @contextlib.contextmanager
+    def wait(self, name: str) -> Iterator[None]:
+        """`with reporter.wait("recv"): work.wait()`: the block is one bubble, ended on error."""
+        token = self.begin(name)
+        try:
+            yield
+        finally:
+            self.end(name, token)

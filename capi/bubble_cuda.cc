@@ -1,0 +1,117 @@
+// The C ABI of GPU-timed bubbles: argument checks and translation to core/gpu_timing.
+#include <bubble/bubble_cuda.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <new>
+
+#include "core/error.h"
+#include "core/gpu_timing.h"
+
+struct bb_stream_timing {
+  bb_trainer_h trainer = nullptr;
+  std::unique_ptr<bb::core::StreamTiming> impl;
+};
+
+using bb::core::fail;
+using bb::core::fail_msg;
+
+extern "C" {
+
+BB_API void bb_stream_timing_options_init(bb_stream_timing_options_t* opts) {
+  if (opts) *opts = BB_STREAM_TIMING_OPTIONS_INIT;
+}
+
+BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_timing_options_t* opts,
+                                       bb_stream_timing_h* out) {
+  if (!out) return fail(BB_E_INVALID, "out is NULL: pass the address of a bb_stream_timing_h");
+  *out = nullptr;
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL: open one with bb_trainer_open");
+  bb_stream_timing_options_t o = BB_STREAM_TIMING_OPTIONS_INIT;
+  if (opts) {
+    if (opts->size < sizeof o)
+      return fail(BB_E_INVALID, "bb_stream_timing_options_t.size is %u: initialise it with "
+                  "bb_stream_timing_options_init() or BB_STREAM_TIMING_OPTIONS_INIT", opts->size);
+    std::memcpy(&o, opts, sizeof o);
+  }
+  std::string error;
+  try {
+    auto h = std::make_unique<bb_stream_timing>();
+    h->trainer = trainer;
+    bb::core::StreamTiming::Sink sink;
+    // The watcher thread becomes the trainer's bubble thread: begin/end stay bounded and
+    // non-blocking, and only this thread calls them while the timing is open.
+    sink.begin = [trainer](uint64_t expected, uint64_t free_mem, bb_bubble_kind kind) {
+      bb_bubble_begin(trainer, expected, free_mem, kind);
+    };
+    sink.end = [trainer] { bb_bubble_end(trainer); };
+    bb::core::StreamTimingOptions so;
+    so.device = o.device;
+    so.marks = o.marks;
+    so.poll_ns = o.poll_ns;
+    const bb_status st = bb::core::StreamTiming::open(so, std::move(sink), &h->impl, &error);
+    if (st != BB_OK) return fail_msg(st, error);
+    *out = h.release();
+    return BB_OK;
+  } catch (const std::bad_alloc&) {
+    return fail(BB_E_NOMEM, "out of memory");
+  }
+}
+
+BB_API bb_status bb_stream_timing_close(bb_stream_timing_h timing) {
+  delete timing;
+  return BB_OK;
+}
+
+BB_API bb_status bb_bubble_begin_on_stream(bb_stream_timing_h timing, void* stream,
+                                           uint64_t expected_ns, uint64_t free_mem,
+                                           bb_bubble_kind kind, uint64_t* mark) {
+  if (!timing) return fail(BB_E_INVALID, "timing is NULL: open it with bb_stream_timing_open");
+  if (uint32_t(kind) >= BB_BUBBLE_KIND_COUNT_)
+    return fail(BB_E_INVALID, "kind %d is not a bb_bubble_kind", int(kind));
+  std::string error;
+  const bb_status st = timing->impl->mark_begin(stream, expected_ns,
+                                                free_mem, kind, mark, &error);
+  return st == BB_OK ? BB_OK : fail_msg(st, error);
+}
+
+BB_API bb_status bb_bubble_end_on_stream(bb_stream_timing_h timing, void* stream, uint64_t* mark) {
+  if (!timing) return fail(BB_E_INVALID, "timing is NULL: open it with bb_stream_timing_open");
+  std::string error;
+  const bb_status st = timing->impl->mark_end(stream, mark, &error);
+  return st == BB_OK ? BB_OK : fail_msg(st, error);
+}
+
+BB_API bb_status bb_stream_timing_event_handle(bb_stream_timing_h timing, uint64_t mark,
+                                               unsigned char handle[64]) {
+  if (!timing || !handle) return fail(BB_E_INVALID, "timing and handle must not be NULL");
+  std::string error;
+  const bb_status st = timing->impl->ipc_handle(mark, handle, &error);
+  return st == BB_OK ? BB_OK : fail_msg(st, error);
+}
+
+BB_API bb_status bb_stream_timing_stats(bb_stream_timing_h timing, bb_stream_timing_stats_t* out) {
+  if (!timing) return fail(BB_E_INVALID, "timing is NULL: open it with bb_stream_timing_open");
+  if (!out) return fail(BB_E_INVALID, "out is NULL");
+  if (out->size < sizeof(uint32_t) * 2)
+    return fail(BB_E_INVALID, "out->size is %u: set it to sizeof(bb_stream_timing_stats_t)",
+                out->size);
+  const bb::core::StreamTimingStats s = timing->impl->stats();
+  bb_stream_timing_stats_t v{};
+  v.size = sizeof v;
+  v.marks = s.marks;
+  v.begins = s.begins;
+  v.ends = s.ends;
+  v.dropped = s.dropped;
+  v.query_errors = s.query_errors;
+  v.lag_last_ns = s.lag_last_ns;
+  v.lag_max_ns = s.lag_max_ns;
+  v.lag_sum_ns = s.lag_sum_ns;
+  const uint32_t size = out->size;
+  std::memcpy(out, &v, std::min<size_t>(size, sizeof v));
+  out->size = size;
+  return BB_OK;
+}
+
+}  // extern "C"

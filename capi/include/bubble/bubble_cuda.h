@@ -1,0 +1,84 @@
+/*
+ * libbubble: GPU-timed bubbles. Stream-ordered bubble begin/end for trainers that enqueue work
+ * on a CUDA stream asynchronously (docs/FIND_MY_BUBBLES.md).
+ *
+ * bb_bubble_begin/bb_bubble_end read the host clock, but a training thread that enqueues kernels
+ * asynchronously reaches them before its GPU reaches the idle time they mean. The calls below
+ * record a CUDA event on the trainer's stream instead (never synchronizing, never waiting); a
+ * watcher thread of the trainer process begins or ends the bubble when the GPU reaches the event,
+ * so side tasks start and pause on the device's timeline. The watcher polls the pending event
+ * every poll_ns (default 10 us): that, plus about a microsecond for the query, is the latency
+ * added over the device's own timeline; between bubbles it sleeps.
+ *
+ * The CUDA driver is loaded at run time as for memory grants; without one these functions fail
+ * with BB_E_UNSUPPORTED. The naming contract of bubble.h applies.
+ */
+#ifndef BUBBLE_BUBBLE_CUDA_H
+#define BUBBLE_BUBBLE_CUDA_H
+
+#include <bubble/bubble.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct bb_stream_timing *bb_stream_timing_h;
+
+typedef struct bb_stream_timing_options_t {
+  uint32_t size;    /* sizeof(bb_stream_timing_options_t) */
+  int32_t device;   /* CUDA device ordinal of the trainer's stream; default 0 */
+  uint32_t marks;   /* marks the GPU may lag behind the host, 2..4096; default 64 */
+  uint32_t reserved0_;
+  uint64_t poll_ns; /* watcher's poll interval while a mark is pending; default 10000 */
+} bb_stream_timing_options_t;
+
+#define BB_STREAM_TIMING_OPTIONS_INIT {sizeof(bb_stream_timing_options_t), 0, 64u, 0u, 10000ull}
+BB_API void bb_stream_timing_options_init(bb_stream_timing_options_t *opts);
+
+/* Starts stream timing for a trainer: creates the events and the watcher thread. From then on
+ * the watcher thread is the trainer's bubble thread: do not call bb_bubble_begin/end on this
+ * trainer yourself while it is open. opts may be NULL. Close it before bb_trainer_close. */
+BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_timing_options_t *opts,
+                                       bb_stream_timing_h *out);
+/* Stops the watcher (ending a bubble it opened; marks the GPU has not reached are dropped) and
+ * frees the handle. NULL is accepted. */
+BB_API bb_status bb_stream_timing_close(bb_stream_timing_h timing);
+
+/* A bubble starts when the GPU reaches this point of `stream` (a CUstream / cudaStream_t; NULL
+ * is the legacy default stream). Arguments as bb_bubble_begin. One cuEventRecord: no wait, no
+ * synchronization; call from one thread at a time where the stream's context is current (any
+ * thread that uses the CUDA runtime on that device). *mark (may be NULL) receives the mark's
+ * number, for bb_stream_timing_event_handle. BB_E_FULL when the GPU is `marks` marks behind. */
+BB_API bb_status bb_bubble_begin_on_stream(bb_stream_timing_h timing, void *stream,
+                                           uint64_t expected_ns, uint64_t free_mem,
+                                           bb_bubble_kind kind, uint64_t *mark);
+/* The bubble ends when the GPU reaches this point of `stream`. */
+BB_API bb_status bb_bubble_end_on_stream(bb_stream_timing_h timing, void *stream, uint64_t *mark);
+
+/* The CUDA IPC handle (CUipcEventHandle, 64 bytes) of the event that carries a mark, for another
+ * process to open with cuIpcOpenEventHandle and query (done = the GPU reached the mark) or wait
+ * on with cuStreamWaitEvent. Valid while the mark is one of the last `marks` recorded:
+ * BB_E_NOT_FOUND otherwise. */
+BB_API bb_status bb_stream_timing_event_handle(bb_stream_timing_h timing, uint64_t mark,
+                                               unsigned char handle[64]);
+
+typedef struct bb_stream_timing_stats_t {
+  uint32_t size;
+  uint32_t reserved0_;
+  uint64_t marks;        /* recorded */
+  uint64_t begins;       /* bubbles begun when the GPU reached them */
+  uint64_t ends;
+  uint64_t dropped;      /* marks refused with BB_E_FULL */
+  uint64_t query_errors; /* marks given up because the driver could not query them */
+  uint64_t lag_last_ns;  /* host record -> GPU reached it, as the watcher saw it: how far */
+  uint64_t lag_max_ns;   /* ahead of its GPU the training thread ran */
+  uint64_t lag_sum_ns;
+} bb_stream_timing_stats_t;
+
+BB_API bb_status bb_stream_timing_stats(bb_stream_timing_h timing, bb_stream_timing_stats_t *out);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* BUBBLE_BUBBLE_CUDA_H */

@@ -1,0 +1,244 @@
+// GPU-timed bubbles through the fake CUDA driver. The double runs no work: an event recorded on a
+// stream completes only when the test lets "the GPU" reach it (bbdouble_stream_progress), so the
+// tests can hold the device behind the host and check that bubbles follow the device.
+#include <bubble/bubble.h>
+#include <bubble/bubble_cuda.h>
+#include <dlfcn.h>
+#include <doctest/doctest.h>
+
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "core/cuda_driver.h"
+#include "core/observer.h"
+#include "tests/cuda_double/cuda_double.h"
+#include "tests/helpers/proc.h"
+
+using bbtest::Child;
+using bbtest::RuntimeDir;
+using bbtest::eventually;
+
+namespace {
+
+// The double, loaded as the process's CUDA driver, and its control functions.
+struct Double {
+  void* lib = nullptr;
+  int (*progress)(void*, int) = nullptr;
+  int (*pending)(void*) = nullptr;
+  void (*outstanding)(bbdouble_counts*) = nullptr;
+  size_t (*violations)(char*, size_t) = nullptr;
+  bb::core::CudaPrimaryContext ctx;
+  std::unique_ptr<bb::core::CudaContextScope> scope;
+
+  Double() {
+    setenv("BUBBLE_CUDA_DRIVER", BUBBLE_CUDA_DOUBLE_PATH, 1);
+    std::string err;
+    const bb::core::CudaDriver* drv = bb::core::cuda_driver(&err);
+    INFO(err);
+    REQUIRE(drv);
+    lib = dlopen(BUBBLE_CUDA_DOUBLE_PATH, RTLD_NOW | RTLD_NOLOAD);
+    REQUIRE(lib);
+    progress = reinterpret_cast<int (*)(void*, int)>(dlsym(lib, "bbdouble_stream_progress"));
+    pending = reinterpret_cast<int (*)(void*)>(dlsym(lib, "bbdouble_stream_pending"));
+    outstanding = reinterpret_cast<void (*)(bbdouble_counts*)>(dlsym(lib, "bbdouble_outstanding"));
+    violations = reinterpret_cast<size_t (*)(char*, size_t)>(dlsym(lib, "bbdouble_violations"));
+    REQUIRE(bool(progress));
+    REQUIRE(bool(outstanding));
+    // The training thread works with its device's context current, as the CUDA runtime has it.
+    REQUIRE(ctx.retain(*drv, 0, &err) == BB_OK);
+    scope = std::make_unique<bb::core::CudaContextScope>(*drv, ctx.get());
+  }
+  ~Double() {
+    scope.reset();
+    ctx.reset();
+    if (lib) dlclose(lib);
+  }
+  std::string violation_text() const {
+    char buf[4096];
+    violations(buf, sizeof buf);
+    return buf;
+  }
+};
+
+struct Hub {
+  bb_trainer_h trainer = nullptr;
+  std::unique_ptr<bb::core::HubObserver> obs;
+  Hub(const RuntimeDir& rt, const char* job) {
+    REQUIRE(bb_trainer_open(job, 0, nullptr, &trainer) == BB_OK);
+    std::string err;
+    REQUIRE(bb::core::HubObserver::open(rt.path(), job, 0, &obs, &err) == BB_OK);
+  }
+  ~Hub() {
+    obs.reset();
+    bb_trainer_close(trainer);
+  }
+  bool in_bubble() const { return obs->snapshot().in_bubble; }
+  uint64_t bubbles() const { return obs->snapshot().bubbles; }
+};
+
+void* const kStream = reinterpret_cast<void*>(0x5157);  // the trainer's CUstream
+
+struct Timing {
+  bb_stream_timing_h h = nullptr;
+  explicit Timing(bb_trainer_h t, uint32_t marks = 64) {
+    bb_stream_timing_options_t o;
+    bb_stream_timing_options_init(&o);
+    o.marks = marks;
+    const bb_status st = bb_stream_timing_open(t, &o, &h);
+    INFO(bb_last_error());
+    REQUIRE(st == BB_OK);
+  }
+  ~Timing() { bb_stream_timing_close(h); }
+  bb_stream_timing_stats_t stats() const {
+    bb_stream_timing_stats_t s{sizeof s};
+    REQUIRE(bb_stream_timing_stats(h, &s) == BB_OK);
+    return s;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("stream_bubble_starts_the_task_when_the_gpu_reaches_it_not_when_the_host_calls") {
+  Double dbl;
+  RuntimeDir rt;
+  const std::string job = "st-" + std::to_string(getpid());
+  Hub hub(rt, job.c_str());
+  Child task({BB_TEST_TASK, job, "0", "t", "imperative", "--step-us", "100"});
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(eventually([&] { return hub.obs->snapshot().tasks.size() == 1; }));
+  {
+    Timing timing(hub.trainer);
+    uint64_t mark = 99;
+    REQUIRE(bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                      &mark) == BB_OK);
+    CHECK(mark == 0);
+    // The host is past the call; the GPU is not there yet: no bubble, no start.
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CHECK_FALSE(hub.in_bubble());
+    CHECK(dbl.pending(kStream) == 1);
+
+    CHECK(dbl.progress(kStream, 1) == 1);  // the GPU reaches the mark
+    CHECK(eventually([&] { return hub.in_bubble(); }));
+    CHECK(task.wait_line("STARTED 1") != "");
+
+    REQUIRE(bb_bubble_end_on_stream(timing.h, kStream, &mark) == BB_OK);
+    CHECK(mark == 1);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    CHECK(hub.in_bubble());  // the GPU is still in the bubble: the task keeps running
+    dbl.progress(kStream, -1);
+    CHECK(eventually([&] { return !hub.in_bubble(); }));
+    CHECK(eventually([&] {
+      auto t = hub.obs->snapshot().tasks;
+      return t.size() == 1 && !t[0].started;
+    }));
+    const auto s = timing.stats();
+    CHECK(s.marks == 2);
+    CHECK(s.begins == 1);
+    CHECK(s.ends == 1);
+    CHECK(s.lag_max_ns >= s.lag_last_ns);
+    CHECK(s.lag_sum_ns > 0);
+  }
+  bbdouble_counts c{};
+  dbl.outstanding(&c);
+  CHECK(c.events == 0);
+  CHECK(c.violations == 0);
+  INFO(dbl.violation_text());
+}
+
+TEST_CASE("stream_marks_never_wait_for_a_gpu_that_lags_behind") {
+  Double dbl;
+  RuntimeDir rt;
+  Hub hub(rt, ("st-full-" + std::to_string(getpid())).c_str());
+  Timing timing(hub.trainer, 4);
+  for (int i = 0; i < 2; ++i) {
+    REQUIRE(bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                      nullptr) == BB_OK);
+    REQUIRE(bb_bubble_end_on_stream(timing.h, kStream, nullptr) == BB_OK);
+  }
+  // Four marks in flight: the fifth is refused at once, with the reason, not waited for.
+  CHECK(bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                  nullptr) == BB_E_FULL);
+  CHECK(std::string(bb_last_error()).find("marks behind") != std::string::npos);
+  dbl.progress(kStream, -1);
+  CHECK(eventually([&] { return timing.stats().ends == 2; }));
+  CHECK(hub.bubbles() == 2);
+  CHECK(timing.stats().dropped == 1);
+  // Room again.
+  CHECK(bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                  nullptr) == BB_OK);
+}
+
+TEST_CASE("stream_mark_event_is_seen_by_another_process_through_its_ipc_handle") {
+  Double dbl;
+  RuntimeDir rt;
+  Hub hub(rt, ("st-ipc-" + std::to_string(getpid())).c_str());
+  Timing timing(hub.trainer);
+  uint64_t mark = 0;
+  REQUIRE(bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_WARMUP,
+                                    &mark) == BB_OK);
+  unsigned char handle[64];
+  REQUIRE(bb_stream_timing_event_handle(timing.h, mark, handle) == BB_OK);
+  char hex[129];
+  for (int i = 0; i < 64; ++i) std::snprintf(hex + 2 * i, 3, "%02x", handle[i]);
+  Child peer({BB_EVENT_PEER, hex});
+  REQUIRE(peer.wait_line("OPENED") != "");
+  CHECK(peer.wait_line("NOT_READY") != "");
+  dbl.progress(kStream, 1);
+  CHECK(peer.wait_line("READY") != "");
+  CHECK(peer.wait_exit() == 0);
+  CHECK(eventually([&] { return hub.in_bubble(); }));
+  // A mark never recorded, or one whose event was reused, has no handle.
+  CHECK(bb_stream_timing_event_handle(timing.h, mark + 1, handle) == BB_E_NOT_FOUND);
+}
+
+TEST_CASE("stream_timing_closed_mid_bubble_ends_it_and_frees_everything") {
+  Double dbl;
+  RuntimeDir rt;
+  Hub hub(rt, ("st-close-" + std::to_string(getpid())).c_str());
+  bbdouble_counts before{};
+  dbl.outstanding(&before);
+  {
+    Timing timing(hub.trainer);
+    REQUIRE(bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                      nullptr) == BB_OK);
+    dbl.progress(kStream, -1);
+    REQUIRE(eventually([&] { return hub.in_bubble(); }));
+    // An end the GPU never reaches (the stream's work was abandoned).
+    REQUIRE(bb_bubble_end_on_stream(timing.h, kStream, nullptr) == BB_OK);
+  }
+  CHECK_FALSE(hub.in_bubble());
+  bbdouble_counts after{};
+  dbl.outstanding(&after);
+  CHECK(after.events == before.events);
+  CHECK(after.ctx_retains == before.ctx_retains);
+  CHECK(dbl.pending(kStream) == 0);
+}
+
+TEST_CASE("stream_timing_rejects_bad_arguments_with_a_reason") {
+  Double dbl;
+  RuntimeDir rt;
+  Hub hub(rt, ("st-bad-" + std::to_string(getpid())).c_str());
+  bb_stream_timing_h h = nullptr;
+  bb_stream_timing_options_t o;
+  bb_stream_timing_options_init(&o);
+  o.marks = 1;
+  CHECK(bb_stream_timing_open(hub.trainer, &o, &h) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("2..4096") != std::string::npos);
+  o.marks = 8;
+  o.device = 5;
+  CHECK(bb_stream_timing_open(hub.trainer, &o, &h) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("does not exist") != std::string::npos);
+  o.device = 0;
+  o.size = 4;
+  CHECK(bb_stream_timing_open(hub.trainer, &o, &h) == BB_E_INVALID);
+  CHECK(bb_stream_timing_open(nullptr, nullptr, &h) == BB_E_INVALID);
+  CHECK(h == nullptr);
+  CHECK(bb_bubble_begin_on_stream(nullptr, kStream, 0, 0, BB_BUBBLE_STEADY, nullptr) ==
+        BB_E_INVALID);
+  CHECK(bb_stream_timing_close(nullptr) == BB_OK);
+  Timing timing(hub.trainer);
+  CHECK(bb_bubble_begin_on_stream(timing.h, kStream, 0, 0, bb_bubble_kind(9), nullptr) ==
+        BB_E_INVALID);
+}
