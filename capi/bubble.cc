@@ -134,6 +134,20 @@ bb_status bb_trainer_iteration(bb_trainer_h trainer) {
   return BB_OK;
 }
 
+void bb_schedule_init(bb_schedule_t* schedule) {
+  if (schedule) *schedule = bb_schedule_t BB_SCHEDULE_INIT;
+}
+
+bb_status bb_trainer_set_schedule(bb_trainer_h trainer, const bb_schedule_t* schedule) {
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
+  if (!schedule) return fail(BB_E_INVALID, "schedule is NULL");
+  bb_schedule_t sc;
+  bb_status st = read_options(schedule, bb_schedule_t BB_SCHEDULE_INIT, sizeof(bb_schedule_t),
+                              "bb_schedule_t", &sc);
+  if (st != BB_OK) return st;
+  BB_GUARD(return trainer->impl->set_schedule(sc));
+}
+
 bb_status bb_trainer_stats(bb_trainer_h trainer, bb_trainer_stats_t* out) {
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
   bb_trainer_stats_t s{};

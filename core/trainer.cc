@@ -20,6 +20,7 @@
 #include "core/error.h"
 #include "core/grant_wire.h"
 #include "core/paths.h"
+#include "core/schedule.h"
 #include "shm/futex.h"
 #include "shm/wire.h"
 
@@ -435,6 +436,43 @@ void Trainer::end_locked(uint64_t now) {
   if (pauses) pauses_.store(pauses_.load(std::memory_order_relaxed) + pauses, std::memory_order_relaxed);
   if (wakes) wakes_.store(wakes_.load(std::memory_order_relaxed) + wakes, std::memory_order_relaxed);
   shm::log_event(hub_, shm::EventKind::kBubbleEnd, 0xffff, now, dur, 0);
+}
+
+bb_status Trainer::set_schedule(const bb_schedule_t& sc) {
+  if (sc.kind > BB_SCHEDULE_ZBH1)
+    return fail(BB_E_INVALID, "schedule kind %u is not a bb_schedule_kind", sc.kind);
+  if (sc.stage >= sc.stages)
+    return fail(BB_E_INVALID, "stage %u is out of range 0..%u (stages - 1)", sc.stage,
+                sc.stages ? sc.stages - 1 : 0);
+  if (sc.fwd_ns == 0 || sc.bwd_ns == 0)
+    return fail(BB_E_INVALID, "the schedule needs the forward and backward times of a "
+                "micro-batch (fwd_ns, bwd_ns) to predict bubble lengths");
+  ScheduleParams p;
+  p.kind = ScheduleKind(sc.kind);
+  p.stages = sc.stages;
+  p.microbatches = sc.microbatches;
+  p.chunks = sc.kind == BB_SCHEDULE_INTERLEAVED ? sc.chunks : 1;
+  p.fwd_ns = sc.fwd_ns;
+  p.bwd_ns = sc.bwd_ns;
+  p.wgrad_ns = sc.wgrad_ns;
+  p.comm_ns = sc.comm_ns;
+  Schedule model;
+  std::string err;
+  if (simulate_schedule(p, &model, &err) != BB_OK) return fail_msg(BB_E_INVALID, err);
+  const auto& bubbles = model.stages[sc.stage].bubbles;
+  const uint32_t n = uint32_t(std::min<size_t>(bubbles.size(), BubblePredictor::kMaxPositions));
+  uint64_t lengths[BubblePredictor::kMaxPositions], gaps[BubblePredictor::kMaxPositions];
+  for (uint32_t i = 0; i < n; ++i) {
+    lengths[i] = bubbles[i].duration_ns;
+    // The gap before bubble i; before the first, from the last bubble of the previous iteration.
+    const uint64_t prev_end = i ? bubbles[i - 1].start_ns + bubbles[i - 1].duration_ns
+                                : bubbles[n - 1].start_ns + bubbles[n - 1].duration_ns;
+    gaps[i] = i ? bubbles[i].start_ns - prev_end
+                : model.iteration_ns - prev_end + bubbles[0].start_ns;
+  }
+  predictor_.seed(lengths, n);
+  gap_predictor_.seed(gaps, n);
+  return BB_OK;
 }
 
 void Trainer::iteration() {

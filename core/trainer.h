@@ -41,6 +41,7 @@ class Trainer {
   bb_status begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind kind);
   bb_status end();
   void iteration();
+  bb_status set_schedule(const bb_schedule_t& schedule);
 
   // Any thread.
   void stats(bb_trainer_stats_t* out);

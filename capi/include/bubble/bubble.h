@@ -136,6 +136,38 @@ BB_API bb_status bb_bubble_end(bb_trainer_h trainer);
  * n-th bubble of each iteration is predicted from the n-th bubbles of earlier ones. Optional. */
 BB_API bb_status bb_trainer_iteration(bb_trainer_h trainer);
 
+/* A declared pipeline schedule, so the predictor knows each bubble's length from the first
+ * iteration on (observed lengths replace the declared ones as they come). */
+typedef enum bb_schedule_kind {
+  BB_SCHEDULE_GPIPE = 0,       /* all forwards, then all backwards */
+  BB_SCHEDULE_1F1B = 1,        /* one forward, one backward (PipeDream-flush, Megatron) */
+  BB_SCHEDULE_INTERLEAVED = 2, /* interleaved 1F1B with `chunks` model chunks per stage */
+  BB_SCHEDULE_ZBH1 = 3         /* zero-bubble H1: backward split into input and weight parts */
+} bb_schedule_kind;
+
+typedef struct bb_schedule_t {
+  uint32_t size;
+  uint32_t kind;          /* bb_schedule_kind; default 1F1B */
+  uint32_t stages;        /* p >= 1 */
+  uint32_t microbatches;  /* m >= 1 */
+  uint32_t chunks;        /* interleaved only: v >= 2 (m a multiple of p); else 1 */
+  uint32_t stage;         /* this trainer's stage, 0..p-1 */
+  uint64_t fwd_ns;        /* one micro-batch's forward through a whole stage */
+  uint64_t bwd_ns;        /* its backward (ZB-H1: the input-gradient part) */
+  uint64_t wgrad_ns;      /* ZB-H1: the weight-gradient part; else 0 */
+  uint64_t comm_ns;       /* point-to-point transfer between stages; may be 0 */
+} bb_schedule_t;
+
+#define BB_SCHEDULE_INIT {sizeof(bb_schedule_t), BB_SCHEDULE_1F1B, 0u, 0u, 1u, 0u, 0u, 0u, 0u, 0u}
+BB_API void bb_schedule_init(bb_schedule_t *schedule);
+
+/* Declares the schedule: the predictor is seeded with this stage's bubble lengths and the gaps
+ * between them, so bb_bubble_begin(expected_ns = 0) and predictive wake are right from the first
+ * iteration. Seeds take effect by position within an iteration, so mark iterations with
+ * bb_trainer_iteration. Call it from the bubble thread before an iteration (it runs the schedule
+ * model: not bounded-time). BB_E_INVALID names what the schedule model rejects. */
+BB_API bb_status bb_trainer_set_schedule(bb_trainer_h trainer, const bb_schedule_t *schedule);
+
 typedef struct bb_trainer_stats_t {
   uint32_t size;
   uint32_t tasks_attached;
