@@ -39,11 +39,12 @@ pids+=($!)
 
 stages=4
 echo "== a ${stages}-stage 1F1B pipeline, 8 micro-batches, forward 4 ms, backward 8 ms per stage"
-echo "   (trainer_sim sleeps where a GPU would compute; see examples/trainer_sim/README.md)"
+echo "   (trainer_sim sleeps where a GPU would compute; see examples/trainer_sim/README.md;
+   it declares its schedule, and libbubble predicts every bubble's length)"
 for ((r = 0; r < stages; r++)); do
   # Earlier stages hold more activations, so they have less free memory in their bubbles.
   "$bin/examples/trainer_sim/trainer_sim" --job demo --rank "$r" --stages "$stages" \
-    --microbatches 8 --schedule 1f1b --fwd-ms 4 --bwd-ms 8 --free-mem-mib 16384 \
+    --microbatches 8 --schedule 1f1b --fwd-ms 4 --bwd-ms 8 --free-mem-mib 16384 --predict --declare \
     --duration-s "$duration" --progress-s 5 --json > "$run/trainer$r.out" 2> "$run/trainer$r.err" &
   pids+=($!)
 done

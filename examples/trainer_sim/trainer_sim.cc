@@ -54,6 +54,8 @@ constexpr const char* kUsage =
     "  --activation-share A  share of N the pipeline's peak activations take (default 0.5)\n"
     "  --predict           report bubbles with expected length 0, so libbubble's predictor\n"
     "                      learns their lengths (default: pass the model's lengths)\n"
+    "  --declare           declare the schedule to libbubble (bb_trainer_set_schedule), so\n"
+    "                      with --predict the lengths are known from the first iteration\n"
     "  --duration-s T      stop after T seconds (at an iteration's end)\n"
     "  --iterations N      stop after N iterations\n"
     "                      (neither: run until SIGINT or SIGTERM)\n"
@@ -71,6 +73,7 @@ struct Flags {
   double progress_s = 5;
   bool json = false;
   bool predict = false;
+  bool declare = false;
 };
 
 [[noreturn]] void die_usage(const std::string& msg) {
@@ -108,6 +111,10 @@ Flags parse_flags(int argc, char** argv) {
     if (a == "--help" || a == "-h") {
       std::fputs(kUsage, stdout);
       std::exit(0);
+    }
+    if (a == "--declare") {
+      f.declare = true;
+      continue;
     }
     if (a == "--json" || a == "--predict") {
       (a == "--json" ? f.json : f.predict) = true;
@@ -286,6 +293,25 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "trainer_sim: cannot open hub (%s, %lld): %s\n", flags.job.c_str(),
                  flags.rank, bb_last_error());
     return 1;
+  }
+
+  if (flags.declare) {
+    bb_schedule_t decl;
+    bb_schedule_init(&decl);
+    decl.kind = static_cast<uint32_t>(sp.kind);  // bb_schedule_kind uses the same numbering
+    decl.stages = sp.stages;
+    decl.microbatches = sp.microbatches;
+    decl.chunks = sp.chunks;
+    decl.stage = static_cast<uint32_t>(flags.stage);
+    decl.fwd_ns = sp.fwd_ns;
+    decl.bwd_ns = sp.bwd_ns;
+    decl.wgrad_ns = sp.wgrad_ns;
+    decl.comm_ns = sp.comm_ns;
+    if (bb_trainer_set_schedule(run.trainer, &decl) != BB_OK) {
+      std::fprintf(stderr, "trainer_sim: cannot declare the schedule: %s\n", bb_last_error());
+      bb_trainer_close(run.trainer);
+      return 2;
+    }
   }
 
   int rc = 0;
