@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"os"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -319,4 +320,19 @@ func TestTasksListsAttachedTasks(t *testing.T) {
 	}
 	b.Close()
 	eventually(t, "beta gone", func() bool { return taskCount(t, tr) == 1 })
+}
+
+func TestSetScheduleAcceptsA1F1BPipelineAndNamesWhatItRejects(t *testing.T) {
+	tr, _ := openTrainer(t)
+	sc := Schedule{Kind: Schedule1F1B, Stages: 4, Microbatches: 8, Stage: 1,
+		Fwd: 2 * time.Millisecond, Bwd: 4 * time.Millisecond}
+	if err := tr.SetSchedule(sc); err != nil {
+		t.Fatal(err)
+	}
+	sc.Stage = 4
+	err := tr.SetSchedule(sc)
+	var e *Error
+	if !errors.Is(err, ErrInvalid) || !errors.As(err, &e) || !strings.Contains(e.Message, "stage") {
+		t.Fatalf("want ErrInvalid naming the stage, got %v", err)
+	}
 }

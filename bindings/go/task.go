@@ -53,6 +53,9 @@ type StartInfo struct {
 	BeginNs    uint64
 	DeadlineNs uint64 // 0 if unknown
 	FreeMem    uint64 // MemUnknown if unknown
+	// Grant is the memory grant the task holds in this run (nil: none); Task.Grant tells
+	// whether it is being revoked.
+	Grant *TaskGrant
 }
 
 // StepInfo describes the bubble a step runs in.
@@ -63,6 +66,9 @@ type StepInfo struct {
 	TimeLeft   *time.Duration // nil if unknown
 	EstStep    time.Duration  // 0 before the first step
 	FreeMem    uint64
+	// Grant is the memory grant for this step (nil: none). A revoked grant is unmapped between
+	// steps: take it from every step's info and do not keep it past the step.
+	Grant *TaskGrant
 }
 
 // StepResult is what SideTask.Step says about the remaining work.
@@ -103,7 +109,8 @@ type Finisher interface{ Finish(err error) }
 
 // Task is a side task's attachment to one hub. Use it from one goroutine at a time.
 type Task struct {
-	h C.bb_task_h
+	h     C.bb_task_h
+	known *TaskGrant // the last grant looked up, for its backend
 }
 
 // Attach joins the hub of (jobID, rank) under name. errors.Is(err, ErrNotFound) when no
@@ -173,6 +180,8 @@ type runState struct {
 	task  SideTask
 	err   error
 	panic interface{}
+	h     C.bb_task_h
+	known *TaskGrant
 }
 
 // Run hands the loop to the runtime until the work is done, the task is stopped or the
@@ -182,7 +191,7 @@ func (t *Task) Run(task SideTask) (Outcome, error) {
 	if err != nil {
 		return 0, err
 	}
-	st := &runState{task: task}
+	st := &runState{task: task, h: h}
 	handle := cgo.NewHandle(st)
 	defer handle.Delete()
 	// The callbacks run on this thread inside bb_task_run; keep it for bb_last_error too.
@@ -230,8 +239,11 @@ func (t *Task) WaitStart(timeout time.Duration) (*StartInfo, error) {
 	if err != nil {
 		return nil, err
 	}
+	grant := grantOf(h, info.grant_id, info.grant_ptr, info.grant_bytes, &t.known)
+	runtime.KeepAlive(t)
 	return &StartInfo{Kind: BubbleKind(info.kind), BubbleSeq: uint64(info.bubble_seq),
-		BeginNs: uint64(info.begin_ns), DeadlineNs: uint64(info.deadline_ns), FreeMem: uint64(info.free_mem)}, nil
+		BeginNs: uint64(info.begin_ns), DeadlineNs: uint64(info.deadline_ns), FreeMem: uint64(info.free_mem),
+		Grant: grant}, nil
 }
 
 // ShouldPause is true once the bubble ended or a stop was asked. One shared-memory load.

@@ -22,6 +22,29 @@ const (
 	BubbleCooldown BubbleKind = C.BB_BUBBLE_COOLDOWN // pipeline drain
 )
 
+// ScheduleKind is the pipeline schedule a trainer runs.
+type ScheduleKind uint32
+
+const (
+	ScheduleGPipe       ScheduleKind = C.BB_SCHEDULE_GPIPE       // all forwards, then all backwards
+	Schedule1F1B        ScheduleKind = C.BB_SCHEDULE_1F1B        // one forward, one backward
+	ScheduleInterleaved ScheduleKind = C.BB_SCHEDULE_INTERLEAVED // interleaved 1F1B, Chunks per stage
+	ScheduleZBH1        ScheduleKind = C.BB_SCHEDULE_ZBH1        // zero-bubble H1
+)
+
+// Schedule declares a pipeline schedule, so the predictor knows each bubble's length from the
+// first iteration on. Kind's zero value is ScheduleGPipe: set it.
+type Schedule struct {
+	Kind         ScheduleKind
+	Stages       uint32        // p >= 1
+	Microbatches uint32        // m >= 1
+	Chunks       uint32        // interleaved: v >= 2; 0 means 1
+	Stage        uint32        // this trainer's stage, 0..p-1
+	Fwd, Bwd     time.Duration // one micro-batch's forward and backward (ZB-H1: input part)
+	Wgrad        time.Duration // ZB-H1: the weight-gradient part
+	Comm         time.Duration // point-to-point transfer between stages
+}
+
 // TrainerOptions sizes the hub; the zero value means the library's defaults.
 type TrainerOptions struct {
 	MaxSlots      uint32
@@ -160,6 +183,31 @@ func (t *Trainer) Iteration() error {
 		return err
 	}
 	err = call(func() C.bb_status { return C.bb_trainer_iteration(h) })
+	runtime.KeepAlive(t)
+	return err
+}
+
+// SetSchedule declares the pipeline schedule (from the bubble goroutine, before an iteration;
+// not bounded-time). ErrInvalid names what the schedule model rejects.
+func (t *Trainer) SetSchedule(s Schedule) error {
+	h, err := t.handle()
+	if err != nil {
+		return err
+	}
+	var c C.bb_schedule_t
+	C.bb_schedule_init(&c)
+	c.kind = C.uint32_t(s.Kind)
+	c.stages = C.uint32_t(s.Stages)
+	c.microbatches = C.uint32_t(s.Microbatches)
+	if s.Chunks != 0 {
+		c.chunks = C.uint32_t(s.Chunks)
+	}
+	c.stage = C.uint32_t(s.Stage)
+	c.fwd_ns = durationNs(s.Fwd)
+	c.bwd_ns = durationNs(s.Bwd)
+	c.wgrad_ns = durationNs(s.Wgrad)
+	c.comm_ns = durationNs(s.Comm)
+	err = call(func() C.bb_status { return C.bb_trainer_set_schedule(h, &c) })
 	runtime.KeepAlive(t)
 	return err
 }

@@ -69,6 +69,18 @@ struct step_failure : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+uint32_t pattern_word(uint32_t seed, size_t i) { return seed ^ uint32_t(i * 2654435761u); }
+
+void write_pattern(uint32_t* w, uint64_t bytes, uint32_t seed) {
+  for (size_t i = 0; i < bytes / 4; ++i) w[i] = pattern_word(seed, i);
+}
+
+bool pattern_ok(const uint32_t* w, uint64_t bytes, uint32_t seed) {
+  for (size_t i = 0; i < bytes / 4; ++i)
+    if (w[i] != pattern_word(seed, i)) return false;
+  return true;
+}
+
 }  // namespace
 
 TEST_CASE("opening a hub twice fails with E_BUSY and the library's sentence") {
@@ -246,6 +258,142 @@ TEST_CASE("tasks() reports names, priorities and ids") {
   CHECK(alpha.id != beta.id);
   b.detach();
   CHECK(eventually([&] { return t.tasks().size() == 1; }));
+}
+
+TEST_CASE("host grant: the task writes it, the trainer reads it back, revoke is acked") {
+  constexpr uint64_t kGrant = 64 * 1024;
+  auto job = unique_job();
+  bubble::trainer t(job, 0);
+  t.lend({bubble::grant_backend::host, 1 << 20});
+  try {
+    t.lend({bubble::grant_backend::host, 1 << 20});
+    FAIL("lent twice");
+  } catch (const bubble::error& e) {
+    CHECK(e.code() == bubble::status::E_BUSY);
+  }
+
+  // The task side on its own thread; every wait is bounded so a failure cannot hang the test.
+  std::atomic<uint64_t> written{0}, acked{0}, rewritten{0};
+  std::atomic<bool> quit{false}, paused{false};
+  auto task_side = std::async(std::launch::async, [&]() -> std::string {
+    bubble::task_options o;
+    o.mem_need = kGrant;
+    bubble::task k(job, 0, "granted", o);
+    auto start = k.wait_start(20s);
+    if (!start) return "never started";
+    if (!start->grant_ptr || start->grant_bytes != kGrant) return "started without its grant";
+    auto g = k.grant();
+    if (!g || g->id != start->grant_id || g->ptr != start->grant_ptr) return "grant() disagrees";
+    if (g->backend != bubble::grant_backend::host || g->revoking()) return "unexpected grant";
+    write_pattern(g->host_data<uint32_t>(), g->bytes, 7);
+    written = g->id;
+    while (!k.should_pause() && !quit) std::this_thread::sleep_for(1ms);
+    k.ack_pause();
+    paused = true;
+    // Idle now: wait for the trainer to ask the grant back, then give it.
+    if (!eventually([&] { g = k.grant(); return quit || (g && g->revoking()); })) return "no revoke";
+    if (quit) return "quit";
+    if (*g->revoke_deadline_ns <= bubble::now_ns()) return "deadline already passed";
+    k.ack_revoke();
+    if (k.grant()) return "the grant is still mapped after ack_revoke";
+    acked = g->id;
+    // The trainer grants again on request: the new grant is mapped on the next look.
+    if (!eventually([&] { g = k.grant(); return quit || g.has_value(); })) return "no new grant";
+    if (quit) return "quit";
+    write_pattern(g->host_data<uint32_t>(), g->bytes, 11);
+    rewritten = g->id;
+    try {
+      while (!quit) (void)k.wait_start(100ms);
+    } catch (const bubble::error& e) {
+      if (e.code() != bubble::status::E_STOPPED) throw;
+    }
+    return "stopped";
+  });
+  struct quit_on_exit {
+    std::atomic<bool>& q;
+    ~quit_on_exit() { q = true; }
+  } guard{quit};
+
+  REQUIRE(eventually([&] { return t.tasks().size() == 1; }));
+  const uint64_t id = t.tasks()[0].id;
+  // auto_grant: the attach with a mem_need is granted without being asked.
+  REQUIRE(eventually([&] { return t.task_grant(id).has_value(); }));
+  REQUIRE(bubble_until(t, [&] { return written != 0; }));
+  auto g = t.task_grant(id);
+  REQUIRE(g.has_value());
+  CHECK(g->id == written);
+  CHECK(g->task_id == id);
+  CHECK(g->state == bubble::grant_state::active);
+  CHECK(g->backend == bubble::grant_backend::host);
+  CHECK(g->bytes == kGrant);
+  CHECK(g->mapped);
+  // The trainer reads what the task wrote at its own address of the grant.
+  CHECK(pattern_ok(g->host_data<uint32_t>(), g->bytes, 7));
+  auto s = t.grants();
+  CHECK(s.backend == BB_GRANT_HOST);
+  CHECK(s.capacity == (1u << 20));
+  CHECK(s.active == 1);
+  CHECK(s.granted_bytes == kGrant);
+  CHECK(s.grants_made == 1);
+
+  // Revoked once idle: a pending revoke would be acked by the pause's ack already.
+  REQUIRE(eventually([&] { return paused.load(); }));
+  t.revoke(id, 30s);
+  CHECK_THROWS_AS(t.revoke(id), bubble::error);  // already revoking, or already given back
+  REQUIRE(eventually([&] { return t.grants().revokes_acked == 1; }));
+  CHECK(eventually([&] { return acked == g->id; }));  // the task says so after its ack
+  CHECK_FALSE(t.task_grant(id).has_value());
+  s = t.grants();
+  CHECK(s.revokes == 1);
+  CHECK(s.tasks_killed == 0);
+  CHECK(s.active == 0);
+  CHECK(s.granted_bytes == 0);
+  CHECK(s.free_bytes == s.capacity);
+
+  const uint64_t again = t.grant(id);
+  CHECK(again > g->id);
+  CHECK_THROWS_AS(t.grant(id), bubble::error);  // one grant per task
+  REQUIRE(eventually([&] { return rewritten == again; }));
+  g = t.task_grant(id);
+  REQUIRE(g.has_value());
+  CHECK(pattern_ok(g->host_data<uint32_t>(), g->bytes, 11));
+
+  t.stop_task(id);
+  REQUIRE(task_side.wait_for(20s) == std::future_status::ready);
+  CHECK(task_side.get() == "stopped");
+  // Detaching gave the grant back.
+  REQUIRE(eventually([&] { return t.grants().active == 0; }));
+  CHECK(t.grants().tasks_killed == 0);
+}
+
+TEST_CASE("a device grant is not handed out as a host pointer") {
+  bubble::grant_info g{1, 1, bubble::grant_state::active, bubble::grant_backend::cuda_vmm,
+                       true, 4096, 0, 0x7000'0000'0000ull, 0};
+  try {
+    (void)g.host_data();
+    FAIL("a device address became a host pointer");
+  } catch (const bubble::error& e) {
+    CHECK(e.code() == bubble::status::E_STATE);
+  }
+}
+
+TEST_CASE("set_schedule accepts a 1F1B pipeline and names what it rejects") {
+  bubble::trainer t(unique_job(), 0);
+  bubble::schedule sc;
+  sc.stages = 4;
+  sc.microbatches = 8;
+  sc.stage = 1;
+  sc.fwd = 2ms;
+  sc.bwd = 4ms;
+  t.set_schedule(sc);
+  sc.stage = 4;
+  try {
+    t.set_schedule(sc);
+    FAIL("a stage outside the pipeline was accepted");
+  } catch (const bubble::error& e) {
+    CHECK(e.code() == bubble::status::E_INVALID);
+    CHECK(e.message().find("stage") != std::string::npos);
+  }
 }
 
 int main(int argc, char** argv) {

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import sys
 import tempfile
 import time
@@ -167,3 +168,73 @@ def test_tasks_in_five_languages_share_one_hub(runtime_dir: str) -> None:
             assert c.proc.wait(timeout=20) == 0, c.stderr_tail()
             assert eventually(lambda: name not in {t.name for t in trainer.tasks()})
             assert {t.name for t in trainer.tasks()} == set(list(survivors)[i + 1:])
+
+
+GRANT_BYTES = 64 * 1024  # the mem_need of the task programs' grant modes
+
+
+def grant_pattern(seed: int, size: int) -> bytes:
+    return struct.pack(f"<{size // 4}I",
+                       *((seed ^ (i * 2654435761)) & 0xFFFFFFFF for i in range(size // 4)))
+
+
+def test_tasks_in_four_languages_fill_host_grants_the_trainer_reads(runtime_dir: str) -> None:
+    """Each binding's task, in its own process, writes a pattern into the host memory it was
+    granted; the trainer reads it at its own address of each grant, then revokes them all:
+    the imperative tasks (C++, Go) ack with ack_revoke, the iterative ones (Rust, Python) are
+    acked by their runtime between bubbles."""
+    job = f"xgrant-{os.getpid()}"
+    env = dict(os.environ, BUBBLE_RUNTIME_DIR=runtime_dir)
+    commands = task_commands()
+    modes = {"cpp-task": "grant-loop", "go-task": "grant-loop", "rust-task": "grant-run",
+             "python-task": "grant-run"}
+    seeds = {name: 1000 + i for i, name in enumerate(modes)}
+    with bubble.Trainer(job, 0, max_running=1, runtime_dir=runtime_dir) as trainer, \
+            Children() as children:
+        trainer.lend(1 << 20)
+        tasks = {name: children.start(name, commands[name][0] + [job, "0", name, mode,
+                                                                  str(seeds[name])], env)
+                 for name, mode in modes.items()}
+        for c in tasks.values():
+            c.wait_for(lambda l: l == "attached")
+        assert eventually(lambda: sorted(t.name for t in trainer.tasks()) == sorted(tasks))
+        infos = {t.name: t for t in trainer.tasks()}
+        # Granted on attach (auto_grant), and started only while holding the grant.
+        assert eventually(lambda: all(trainer.task_grant(i) for i in infos.values()))
+
+        def granted(name: str) -> int | None:
+            lines = [l for l in tasks[name].lines if l.startswith("granted ")]
+            return int(lines[0].split()[1]) if lines else None
+        for _ in range(20 * len(tasks)):
+            pending = [n for n in tasks if granted(n) is None]
+            if not pending:
+                break
+            trainer.bubble_begin(BUBBLE_S, kind=bubble.BubbleKind.STEADY)
+            try:
+                eventually(lambda: any(granted(n) is not None for n in pending), timeout=2.0)
+            finally:
+                trainer.bubble_end()
+        assert all(granted(n) is not None for n in tasks), {n: c.lines for n, c in tasks.items()}
+        for name, c in tasks.items():
+            # Revoked once paused: a revoke pending at the pause's ack is acked by that ack.
+            since = c.lines.index(f"granted {granted(name)}")
+            c.wait_for(lambda l: l == "pause", since=since)
+            g = trainer.task_grant(infos[name])
+            assert g is not None and g.id == granted(name)
+            assert g.backend is bubble.GrantBackend.HOST and g.bytes == GRANT_BYTES
+            assert g.memory().tobytes() == grant_pattern(seeds[name], GRANT_BYTES), name
+
+        for info in infos.values():
+            trainer.revoke(info, timeout=30)
+        for name, mode in modes.items():
+            if mode == "grant-loop":
+                tasks[name].wait_for(lambda l: l == f"acked {granted(name)}")
+        assert eventually(lambda: trainer.grant_stats().revokes_acked == len(tasks))
+        assert all(trainer.task_grant(i) is None for i in infos.values())
+        stats = trainer.grant_stats()
+        assert (stats.active, stats.granted_bytes, stats.tasks_killed) == (0, 0, 0)
+
+        for name, c in tasks.items():
+            trainer.stop_task(infos[name])
+            c.wait_for(lambda l: l == "stopped")
+            assert c.proc.wait(timeout=20) == 0, c.stderr_tail()

@@ -1,4 +1,5 @@
-// The C++ side task of the cross-language test; same protocol as xlang_task.c.
+// The C++ side task of the cross-language test; same protocol as xlang_task.c, plus the
+// grant-loop mode (an imperative task that fills its host grant, then acks its revoke).
 #include <bubble/bubble.hpp>
 
 #include <chrono>
@@ -33,17 +34,52 @@ struct xlang_task : bubble::side_task {
   void pause() override { emit("pause"); }
 };
 
+constexpr uint64_t kGrantBytes = 64 * 1024;
+
+// Fills the grant a start names with the test's pattern, then gives it back when revoked.
+void grant_loop(bubble::task& task, uint32_t seed) {
+  auto start = task.wait_start();
+  auto g = task.grant();
+  if (!g || g->id != start->grant_id || g->ptr != start->grant_ptr)
+    throw std::runtime_error("started without the grant bubble::task::grant() reports");
+  uint32_t* w = g->host_data<uint32_t>();
+  for (uint64_t i = 0; i < g->bytes / 4; ++i) w[i] = seed ^ uint32_t(i * 2654435761u);
+  emit("granted " + std::to_string(g->id));
+  while (!task.should_pause()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  task.ack_pause();
+  emit("pause");
+  for (;; std::this_thread::sleep_for(std::chrono::milliseconds(1))) {
+    g = task.grant();
+    if (g && g->revoking()) {
+      task.ack_revoke();
+      emit("acked " + std::to_string(g->id));
+      break;
+    }
+  }
+  for (;;) (void)task.wait_start();  // until told to stop
+}
+
 }  // namespace
 
 int main(int argc, char** argv) try {
   if (argc != 6) {
-    std::cerr << "usage: " << argv[0] << " JOB RANK NAME run|loop STEP_MS\n";
+    std::cerr << "usage: " << argv[0] << " JOB RANK NAME run|loop STEP_MS\n"
+              << "       " << argv[0] << " JOB RANK NAME grant-loop SEED\n";
     return 2;
   }
+  const std::string mode = argv[4];
   std::chrono::milliseconds step_len(std::atol(argv[5]));
-  bubble::task task(argv[1], static_cast<uint32_t>(std::atoi(argv[2])), argv[3]);
+  bubble::task_options opts;
+  if (mode == "grant-loop") opts.mem_need = kGrantBytes;
+  bubble::task task(argv[1], static_cast<uint32_t>(std::atoi(argv[2])), argv[3], opts);
   emit("attached");
-  if (std::string(argv[4]) == "run") {
+  if (mode == "grant-loop") {
+    try {
+      grant_loop(task, static_cast<uint32_t>(std::atol(argv[5])));
+    } catch (const bubble::error& e) {
+      if (e.code() != bubble::status::E_STOPPED) throw;
+    }
+  } else if (mode == "run") {
     xlang_task t(step_len);
     if (task.run(t) != bubble::outcome::stopped) return 1;
   } else {

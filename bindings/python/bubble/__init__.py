@@ -9,13 +9,15 @@ from ._lib import MEM_UNKNOWN, lib as _clib
 from .errors import (BubbleError, Busy, CallbackFailed, Corrupt, HubFull, HubNotFound,
                      InvalidArgument, InvalidState, OutOfMemory, PermissionDenied, Status,
                      Stopped, SystemCallError, Timeout, TrainerGone, Unsupported, VersionMismatch)
+from .grant import GrantBackend, GrantInfo, GrantState, GrantStats, TaskGrant
 from .task import OnTrainerExit, Outcome, SideTask, StartInfo, StepInfo, Task, WakeMode
-from .trainer import BubbleKind, TaskInfo, Trainer, TrainerStats
+from .trainer import BubbleKind, ScheduleKind, TaskInfo, Trainer, TrainerStats
 
 __all__ = [
-    "BubbleError", "BubbleKind", "Busy", "CallbackFailed", "Corrupt", "HubFull", "HubNotFound",
+    "BubbleError", "BubbleKind", "Busy", "CallbackFailed", "Corrupt", "GrantBackend",
+    "GrantInfo", "GrantState", "GrantStats", "HubFull", "HubNotFound", "TaskGrant",
     "InvalidArgument", "InvalidState", "MEM_UNKNOWN", "OnTrainerExit", "OutOfMemory", "Outcome",
-    "PermissionDenied", "SideTask", "StartInfo", "Status", "StepInfo", "Stopped",
+    "PermissionDenied", "ScheduleKind", "SideTask", "StartInfo", "Status", "StepInfo", "Stopped",
     "SystemCallError", "Task", "TaskInfo", "Timeout", "Trainer", "TrainerGone", "TrainerStats",
     "Unsupported", "VersionMismatch", "WakeMode", "now_ns", "library_version", "__version__",
 ]

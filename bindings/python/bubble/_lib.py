@@ -27,6 +27,13 @@ class TrainerOptions(Structure):
                 ("allow_uid", c_uint32), ("reserved0_", c_uint32)]
 
 
+class ScheduleC(Structure):
+    _fields_ = [("size", c_uint32), ("kind", c_uint32), ("stages", c_uint32),
+                ("microbatches", c_uint32), ("chunks", c_uint32), ("stage", c_uint32),
+                ("fwd_ns", c_uint64), ("bwd_ns", c_uint64), ("wgrad_ns", c_uint64),
+                ("comm_ns", c_uint64)]
+
+
 class TrainerStatsC(Structure):
     _fields_ = [("size", c_uint32), ("tasks_attached", c_uint32), ("bubbles", c_uint64),
                 ("bubble_ns", c_uint64), ("starts", c_uint64), ("pauses", c_uint64),
@@ -54,13 +61,44 @@ class TaskOptions(Structure):
 
 class StartInfoC(Structure):
     _fields_ = [("size", c_uint32), ("kind", c_uint32), ("bubble_seq", c_uint64),
-                ("begin_ns", c_uint64), ("deadline_ns", c_uint64), ("free_mem", c_uint64)]
+                ("begin_ns", c_uint64), ("deadline_ns", c_uint64), ("free_mem", c_uint64),
+                ("grant_id", c_uint64), ("grant_ptr", c_void_p), ("grant_bytes", c_uint64)]
 
 
 class StepInfoC(Structure):
     _fields_ = [("size", c_uint32), ("kind", c_uint32), ("bubble_seq", c_uint64),
                 ("deadline_ns", c_uint64), ("time_left_ns", c_uint64),
-                ("est_step_ns", c_uint64), ("free_mem", c_uint64)]
+                ("est_step_ns", c_uint64), ("free_mem", c_uint64),
+                ("grant_id", c_uint64), ("grant_ptr", c_void_p), ("grant_bytes", c_uint64)]
+
+
+class LendOptionsC(Structure):
+    _fields_ = [("size", c_uint32), ("backend", c_uint32), ("bytes", c_uint64),
+                ("device_ptr", c_uint64), ("device", c_int32), ("max_grants", c_uint32),
+                ("alignment", c_uint64), ("auto_grant", c_uint32), ("reserved0_", c_uint32)]
+
+
+class GrantInfoC(Structure):
+    _fields_ = [("size", c_uint32), ("state", c_uint32), ("id", c_uint64),
+                ("task_id", c_uint64), ("backend", c_uint32), ("mapped", c_uint32),
+                ("bytes", c_uint64), ("offset", c_uint64), ("address", c_uint64),
+                ("deadline_ns", c_uint64)]
+
+
+class GrantStatsC(Structure):
+    _fields_ = [("size", c_uint32), ("backend", c_uint32), ("capacity", c_uint64),
+                ("granted_bytes", c_uint64), ("requested_bytes", c_uint64),
+                ("free_bytes", c_uint64), ("largest_free", c_uint64),
+                ("revoking_bytes", c_uint64), ("quarantined_bytes", c_uint64),
+                ("active", c_uint32), ("revoking", c_uint32), ("quarantined", c_uint32),
+                ("reserved0_", c_uint32), ("grants_made", c_uint64),
+                ("grants_failed", c_uint64), ("revokes", c_uint64), ("revokes_acked", c_uint64),
+                ("tasks_killed", c_uint64), ("released_dead", c_uint64)]
+
+
+class TaskGrantC(Structure):
+    _fields_ = [("size", c_uint32), ("backend", c_uint32), ("id", c_uint64),
+                ("ptr", c_void_p), ("bytes", c_uint64), ("revoke_deadline_ns", c_uint64)]
 
 
 INIT_FN = CFUNCTYPE(c_int, c_void_p)
@@ -76,9 +114,12 @@ class TaskCallbacks(Structure):
 
 STRUCTS = {
     "bb_trainer_options_t": TrainerOptions, "bb_trainer_stats_t": TrainerStatsC,
+    "bb_schedule_t": ScheduleC,
     "bb_task_info_t": TaskInfoC, "bb_task_options_t": TaskOptions,
     "bb_start_info_t": StartInfoC, "bb_step_info_t": StepInfoC,
-    "bb_task_callbacks_t": TaskCallbacks,
+    "bb_task_callbacks_t": TaskCallbacks, "bb_lend_options_t": LendOptionsC,
+    "bb_grant_info_t": GrantInfoC, "bb_grant_stats_t": GrantStatsC,
+    "bb_task_grant_t": TaskGrantC,
 }
 
 _trainer_h = c_void_p
@@ -98,6 +139,8 @@ _SIGNATURES = {
     "bb_bubble_begin": (c_int, [_trainer_h, c_uint64, c_uint64, c_int]),
     "bb_bubble_end": (c_int, [_trainer_h]),
     "bb_trainer_iteration": (c_int, [_trainer_h]),
+    "bb_schedule_init": (None, [POINTER(ScheduleC)]),
+    "bb_trainer_set_schedule": (c_int, [_trainer_h, POINTER(ScheduleC)]),
     "bb_trainer_stats": (c_int, [_trainer_h, POINTER(TrainerStatsC)]),
     "bb_trainer_tasks": (c_int, [_trainer_h, POINTER(TaskInfoC), c_size_t, POINTER(c_size_t)]),
     "bb_trainer_stop_task": (c_int, [_trainer_h, c_uint64]),
@@ -112,6 +155,14 @@ _SIGNATURES = {
     "bb_task_time_left": (c_int, [_task_h, POINTER(c_uint64), POINTER(c_uint64)]),
     "bb_task_callbacks_init": (None, [POINTER(TaskCallbacks)]),
     "bb_task_run": (c_int, [_task_h, POINTER(TaskCallbacks)]),
+    "bb_lend_options_init": (None, [POINTER(LendOptionsC)]),
+    "bb_trainer_lend": (c_int, [_trainer_h, POINTER(LendOptionsC)]),
+    "bb_trainer_grant": (c_int, [_trainer_h, c_uint64, c_uint64, POINTER(c_uint64)]),
+    "bb_trainer_revoke": (c_int, [_trainer_h, c_uint64, c_uint64]),
+    "bb_trainer_task_grant": (c_int, [_trainer_h, c_uint64, POINTER(GrantInfoC)]),
+    "bb_trainer_grant_stats": (c_int, [_trainer_h, POINTER(GrantStatsC)]),
+    "bb_task_grant": (c_int, [_task_h, POINTER(TaskGrantC)]),
+    "bb_task_ack_revoke": (c_int, [_task_h]),
 }
 
 

@@ -12,6 +12,7 @@ from typing import Iterator
 from . import _lib
 from ._lib import lib
 from .errors import BubbleError, CallbackFailed, Status, check, error_for
+from .grant import GrantLookup, TaskGrant, ViewScope, task_grant
 from .trainer import BubbleKind
 
 
@@ -23,6 +24,7 @@ class StartInfo:
     begin_ns: int
     deadline_ns: int  # 0 if unknown
     free_mem: int | None  # None if unknown
+    grant: TaskGrant | None = None  # the memory grant held in this run
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,8 @@ class StepInfo:
     time_left_ns: int | None  # None if unknown
     est_step_ns: int  # 0 before the first step
     free_mem: int | None
+    # The memory grant for this step; its memoryview is released when the step returns.
+    grant: TaskGrant | None = None
 
 
 class Outcome(enum.Enum):
@@ -102,6 +106,8 @@ class Task:
                                  ctypes.byref(handle)))
         self._h: ctypes.c_void_p | None = handle
         self.name = name
+        self._scope = ViewScope()  # views of grant mappings, until a call that may unmap them
+        self._lookup = GrantLookup()
 
     @property
     def _handle(self) -> ctypes.c_void_p:
@@ -109,10 +115,16 @@ class Task:
             raise ValueError("the task is detached; attach a new Task")
         return self._h
 
+    def _unmapping(self) -> None:
+        """Before a call that may unmap the grant: views of it stop working."""
+        self._scope.close()
+        self._scope = ViewScope()
+
     def detach(self) -> None:
         """Acks any pending pause and releases the slot. Safe to call twice."""
         h, self._h = self._h, None
         if h is not None:
+            self._unmapping()
             check(lib.bb_task_detach(h))
 
     close = detach
@@ -149,14 +161,19 @@ class Task:
             if raised:
                 return -1
             c = info_p.contents
-            info = StepInfo(c.bubble_seq, BubbleKind(c.kind) if c.kind < 4 else BubbleKind.OTHER,
-                            c.deadline_ns, _unknown_none(c.time_left_ns), c.est_step_ns,
-                            _unknown_none(c.free_mem))
+            scope = ViewScope()
             try:
+                grant = self._lookup(handle, c.grant_id, c.grant_ptr, c.grant_bytes, scope)
+                info = StepInfo(c.bubble_seq,
+                                BubbleKind(c.kind) if c.kind < 4 else BubbleKind.OTHER,
+                                c.deadline_ns, _unknown_none(c.time_left_ns), c.est_step_ns,
+                                _unknown_none(c.free_mem), grant)
                 return _lib.STEP_DONE if side_task.step(info) is True else _lib.STEP_CONTINUE
             except BaseException as exc:  # noqa: BLE001
                 raised.append(exc)
                 return -1
+            finally:
+                scope.close()  # a revoked grant is unmapped between steps
 
         def finish(_user, status) -> None:
             with contextlib.suppress(ValueError):
@@ -171,7 +188,9 @@ class Task:
         cbs.pause = _lib.INIT_FN(lambda _u: guard(side_task.pause))
         cbs.resume = _lib.INIT_FN(lambda _u: guard(side_task.resume))
         cbs.finish = _lib.FINISH_FN(finish)
-        status = lib.bb_task_run(self._handle, ctypes.byref(cbs))
+        handle = self._handle
+        self._unmapping()
+        status = lib.bb_task_run(handle, ctypes.byref(cbs))
         if raised:
             raise raised[0]
         if status == Status.OK:
@@ -191,20 +210,40 @@ class Task:
         Raises Stopped when told to stop and TrainerGone when the trainer left."""
         out = _lib.StartInfoC(size=ctypes.sizeof(_lib.StartInfoC))
         timeout_ns = -1 if timeout is None else max(0, int(timeout * 1e9))
-        status = lib.bb_task_wait_start(self._handle, timeout_ns, ctypes.byref(out))
+        handle = self._handle
+        self._unmapping()
+        status = lib.bb_task_wait_start(handle, timeout_ns, ctypes.byref(out))
         if status == Status.E_TIMEOUT:
             return None
         check(status)
+        grant = self._lookup(handle, out.grant_id, out.grant_ptr, out.grant_bytes, self._scope)
         return StartInfo(out.bubble_seq, BubbleKind(out.kind) if out.kind < 4 else BubbleKind.OTHER,
-                         out.begin_ns, out.deadline_ns, _unknown_none(out.free_mem))
+                         out.begin_ns, out.deadline_ns, _unknown_none(out.free_mem), grant)
 
     def should_pause(self) -> bool:
         """True once the bubble ended or the task was told to stop. One shared-memory load."""
         return lib.bb_task_should_pause(self._handle) != 0
 
     def ack_pause(self) -> None:
-        """The task stopped its device work for this bubble."""
-        check(lib.bb_task_ack_pause(self._handle))
+        """The task stopped its device work for this bubble (and gives back a grant being
+        revoked)."""
+        handle = self._handle
+        self._unmapping()
+        check(lib.bb_task_ack_pause(handle))
+
+    def grant(self) -> TaskGrant | None:
+        """The grant this task maps now (mapping one just offered); None when it holds none.
+        Raises Unsupported (once) for a CUDA grant in a process without a CUDA driver."""
+        handle = self._handle
+        self._unmapping()
+        return task_grant(handle, self._scope)
+
+    def ack_revoke(self) -> None:
+        """If the trainer is revoking this task's grant: unmaps it and acks; otherwise nothing.
+        Stop all use of the grant first."""
+        handle = self._handle
+        self._unmapping()
+        check(lib.bb_task_ack_revoke(handle))
 
     def report_step(self, step_ns: int) -> None:
         check(lib.bb_task_report_step(self._handle, step_ns))

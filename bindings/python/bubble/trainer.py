@@ -11,6 +11,7 @@ from typing import Iterator
 from . import _lib
 from ._lib import lib
 from .errors import check
+from .grant import GrantBackend, GrantInfo, GrantStats, grant_info, grant_stats, lend_options
 
 
 class BubbleKind(enum.IntEnum):
@@ -18,6 +19,13 @@ class BubbleKind(enum.IntEnum):
     WARMUP = 1    # pipeline fill: before the stage's first forward
     STEADY = 2    # a wait on a point-to-point transfer in the steady state
     COOLDOWN = 3  # pipeline drain: after the stage's last backward
+
+
+class ScheduleKind(enum.IntEnum):
+    GPIPE = 0        # all forwards, then all backwards
+    ONE_F_ONE_B = 1  # one forward, one backward (PipeDream-flush, Megatron)
+    INTERLEAVED = 2  # interleaved 1F1B with `chunks` model chunks per stage
+    ZBH1 = 3         # zero-bubble H1: backward split into input and weight parts
 
 
 @dataclass(frozen=True)
@@ -137,6 +145,19 @@ class Trainer:
         """Marks the start of a training iteration (numbers bubbles for the predictor)."""
         check(lib.bb_trainer_iteration(self._handle))
 
+    def set_schedule(self, kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B, *, stages: int,
+                     microbatches: int, stage: int, fwd: float, bwd: float, wgrad: float = 0.0,
+                     comm: float = 0.0, chunks: int = 1) -> None:
+        """Declares the pipeline schedule (times in seconds), so the predictor knows each
+        bubble's length from the first iteration on. Call it from the training loop's thread
+        before an iteration. Raises InvalidArgument naming what the schedule model rejects."""
+        sc = _lib.ScheduleC()
+        lib.bb_schedule_init(ctypes.byref(sc))
+        sc.kind = int(kind)
+        sc.stages, sc.microbatches, sc.stage, sc.chunks = stages, microbatches, stage, chunks
+        sc.fwd_ns, sc.bwd_ns, sc.wgrad_ns, sc.comm_ns = _ns(fwd), _ns(bwd), _ns(wgrad), _ns(comm)
+        check(lib.bb_trainer_set_schedule(self._handle, ctypes.byref(sc)))
+
     def stats(self) -> TrainerStats:
         out = _lib.TrainerStatsC(size=ctypes.sizeof(_lib.TrainerStatsC))
         check(lib.bb_trainer_stats(self._handle, ctypes.byref(out)))
@@ -159,6 +180,51 @@ class Trainer:
         """Tells one task to stop; it finishes and detaches."""
         task_id = task.id if isinstance(task, TaskInfo) else task
         check(lib.bb_trainer_stop_task(self._handle, task_id))
+
+
+    # ---- memory grants ---------------------------------------------------------------------
+
+    def lend(self, size: int, *, backend: GrantBackend = GrantBackend.HOST,
+             device_ptr: int | None = None, device: int = 0, max_grants: int | None = None,
+             alignment: int | None = None, auto_grant: bool = True) -> None:
+        """Lends `size` bytes to the hub's tasks; once per hub (Busy after that).
+
+        auto_grant: grant each task that states a mem_need that much when it attaches.
+        device_ptr (cuda-ipc): lend this range of your own allocation, kept alive until the hub
+        closes. Raises Unsupported for a CUDA backend without a usable CUDA driver."""
+        opts = lend_options(size, backend, device_ptr, device, max_grants, alignment, auto_grant)
+        check(lib.bb_trainer_lend(self._handle, ctypes.byref(opts)))
+
+    def grant(self, task: int | TaskInfo, size: int | None = None) -> int:
+        """Grants `size` bytes (None: the task's mem_need) to a task holding no grant; returns
+        the grant's id. OutOfMemory when no free extent is large enough, Busy when the task
+        already holds one."""
+        grant_id = ctypes.c_uint64()
+        check(lib.bb_trainer_grant(self._handle, _task_id(task), size or 0,
+                                   ctypes.byref(grant_id)))
+        return grant_id.value
+
+    def revoke(self, task: int | TaskInfo, timeout: float | None = None) -> None:
+        """Asks a task's grant back; a task that has not acked within `timeout` seconds
+        (None: 1 s) is killed. Returns at once: task_grant() and grant_stats() show progress."""
+        deadline = 0 if timeout is None else lib.bb_now_ns() + _ns(timeout)
+        check(lib.bb_trainer_revoke(self._handle, _task_id(task), deadline))
+
+    def task_grant(self, task: int | TaskInfo) -> GrantInfo | None:
+        """The task's grant, None when it holds none. Raises HubNotFound (a LookupError) when
+        no such task is attached."""
+        out = _lib.GrantInfoC(size=ctypes.sizeof(_lib.GrantInfoC))
+        check(lib.bb_trainer_task_grant(self._handle, _task_id(task), ctypes.byref(out)))
+        return grant_info(out)
+
+    def grant_stats(self) -> GrantStats:
+        out = _lib.GrantStatsC(size=ctypes.sizeof(_lib.GrantStatsC))
+        check(lib.bb_trainer_grant_stats(self._handle, ctypes.byref(out)))
+        return grant_stats(out)
+
+
+def _task_id(task: int | TaskInfo) -> int:
+    return task.id if isinstance(task, TaskInfo) else task
 
 
 def _task_info(c: _lib.TaskInfoC) -> TaskInfo:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -38,3 +39,12 @@ def test_structs_match_the_header(tmp_path):
         assert ctypes.sizeof(cls) == expected[cname], cname
         for field, *_ in cls._fields_:
             assert getattr(cls, field).offset == expected[f"{cname}.{field}"], f"{cname}.{field}"
+
+
+def test_every_function_of_the_header_is_declared():
+    header = (HEADER_DIR / "bubble" / "bubble.h").read_text()
+    declared = set(re.findall(r"BB_API\b[^;(]*?\b(bb_\w+)\s*\(", header))
+    assert declared, "no BB_API function found in bubble.h"
+    assert declared == set(_lib._SIGNATURES), (
+        f"missing in _lib._SIGNATURES: {sorted(declared - set(_lib._SIGNATURES))}; "
+        f"not in bubble.h: {sorted(set(_lib._SIGNATURES) - declared)}")

@@ -140,3 +140,11 @@ def test_closing_the_trainer_removes_the_hub(job):
         bubble.Task(job, 0, "late")
     with bubble.Trainer(job, 0):  # the name is free again
         pass
+
+
+def test_set_schedule_accepts_a_1f1b_pipeline_and_names_what_it_rejects(job):
+    with bubble.Trainer(job, 0) as trainer:
+        trainer.set_schedule(stages=4, microbatches=8, stage=1, fwd=0.002, bwd=0.004)
+        with pytest.raises(bubble.InvalidArgument, match="stage"):
+            trainer.set_schedule(bubble.ScheduleKind.GPIPE, stages=4, microbatches=8, stage=4,
+                                 fwd=0.002, bwd=0.004)

@@ -8,10 +8,15 @@
 #include <bubble/bubble.h>
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <optional>
 #include <stdexcept>
+#if __cplusplus >= 202002L && __has_include(<span>)
+#include <span>
+#define BUBBLE_HPP_SPAN 1
+#endif
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -115,6 +120,91 @@ enum class bubble_kind : uint32_t {
   cooldown = BB_BUBBLE_COOLDOWN,
 };
 
+// A declared pipeline schedule: the predictor knows each bubble's length from the first
+// iteration on (observed lengths replace the declared ones as they come).
+enum class schedule_kind : uint32_t {
+  gpipe = BB_SCHEDULE_GPIPE,              // all forwards, then all backwards
+  one_f_one_b = BB_SCHEDULE_1F1B,         // one forward, one backward (PipeDream-flush)
+  interleaved = BB_SCHEDULE_INTERLEAVED,  // interleaved 1F1B with `chunks` chunks per stage
+  zbh1 = BB_SCHEDULE_ZBH1,                // zero-bubble H1: backward split in input/weight parts
+};
+
+struct schedule {
+  schedule_kind kind = schedule_kind::one_f_one_b;
+  uint32_t stages = 0;        // p >= 1
+  uint32_t microbatches = 0;  // m >= 1
+  uint32_t chunks = 1;        // interleaved: v >= 2
+  uint32_t stage = 0;         // this trainer's stage, 0..p-1
+  std::chrono::nanoseconds fwd{0};    // one micro-batch's forward through the stage
+  std::chrono::nanoseconds bwd{0};    // its backward (zbh1: the input-gradient part)
+  std::chrono::nanoseconds wgrad{0};  // zbh1: the weight-gradient part
+  std::chrono::nanoseconds comm{0};   // point-to-point transfer between stages
+};
+
+// ------------------------------------------------------------------------------------------
+// Memory grants (docs/GRANTS.md): the trainer lends memory, each task is granted a piece.
+
+enum class grant_backend : uint32_t {
+  host = BB_GRANT_HOST,          // shared host memory: CPU tasks, machines without a GPU
+  cuda_ipc = BB_GRANT_CUDA_IPC,  // a window of one device allocation, by its IPC handle
+  cuda_vmm = BB_GRANT_CUDA_VMM,  // a cuMemCreate allocation per grant
+};
+
+enum class grant_state : uint32_t {
+  none = BB_GRANT_STATE_NONE,
+  active = BB_GRANT_STATE_ACTIVE,
+  revoking = BB_GRANT_STATE_REVOKING,        // asked back; the task has not acked yet
+  quarantined = BB_GRANT_STATE_QUARANTINED,  // giving it back failed; never reused
+};
+
+struct lend_options {
+  grant_backend backend = grant_backend::host;
+  uint64_t bytes = 0;       // required
+  uint64_t device_ptr = 0;  // cuda_ipc: lend this range of your own allocation; 0: allocate
+  int32_t device = 0;
+  uint32_t max_grants = 64;
+  uint64_t alignment = 0;   // 0: the backend's own unit
+  bool auto_grant = true;   // grant each task with a mem_need that much when it attaches
+};
+
+namespace detail {
+// Host memory at an address the library reported, as a typed pointer; anything else is refused
+// rather than handed out as a host pointer that would fault.
+template <typename T>
+T* host_pointer(grant_backend backend, uint64_t address, const char* what) {
+  if (backend != grant_backend::host)
+    throw error(status::E_STATE, std::string(what) + " is device memory, not host memory: pass "
+                "its address to device code instead");
+  if (address == 0) throw error(status::E_STATE, std::string(what) + " is not mapped");
+  return reinterpret_cast<T*>(static_cast<uintptr_t>(address));
+}
+}  // namespace detail
+
+// A task's grant as the trainer sees it (bb_grant_info_t).
+struct grant_info {
+  uint64_t id;
+  uint64_t task_id;
+  grant_state state;
+  grant_backend backend;
+  bool mapped;           // the task says it maps the grant (its word: informative only)
+  uint64_t bytes;
+  uint64_t offset;       // in the lent range
+  uint64_t address;      // the trainer's own address: host pointer or CUdeviceptr
+  uint64_t deadline_ns;  // revoking: when the task will be killed
+
+  // The trainer's view of a host grant. Valid while the grant is active or revoking: once it is
+  // released the range may be unmapped or granted to another task.
+  template <typename T = std::byte>
+  T* host_data() const {
+    return detail::host_pointer<T>(backend, address, "the grant");
+  }
+#ifdef BUBBLE_HPP_SPAN
+  std::span<std::byte> host_bytes() const { return {host_data(), static_cast<size_t>(bytes)}; }
+#endif
+};
+
+using grant_stats = bb_grant_stats_t;
+
 // ------------------------------------------------------------------------------------------
 // Trainer side.
 
@@ -167,6 +257,22 @@ class trainer {
   }
   void end() { detail::check(bb_bubble_end(h_.get())); }
   void iteration() { detail::check(bb_trainer_iteration(h_.get())); }
+  // Declares the pipeline schedule (from the bubble thread, before an iteration; not
+  // bounded-time). E_INVALID names what the schedule model rejects.
+  void set_schedule(const schedule& sc) {
+    bb_schedule_t c;
+    bb_schedule_init(&c);
+    c.kind = static_cast<uint32_t>(sc.kind);
+    c.stages = sc.stages;
+    c.microbatches = sc.microbatches;
+    c.chunks = sc.chunks;
+    c.stage = sc.stage;
+    c.fwd_ns = detail::to_ns(sc.fwd);
+    c.bwd_ns = detail::to_ns(sc.bwd);
+    c.wgrad_ns = detail::to_ns(sc.wgrad);
+    c.comm_ns = detail::to_ns(sc.comm);
+    detail::check(bb_trainer_set_schedule(h_.get(), &c));
+  }
 
   // Marks a scope (typically a blocking receive) as a bubble; ends it even on exceptions.
   class scoped_bubble {
@@ -220,6 +326,51 @@ class trainer {
 
   void stop_task(uint64_t task_id) { detail::check(bb_trainer_stop_task(h_.get(), task_id)); }
 
+  // Lends memory to the hub's tasks; once per hub (E_BUSY after that). E_UNSUPPORTED for a
+  // CUDA backend without a usable CUDA driver.
+  void lend(const lend_options& o) {
+    bb_lend_options_t lo;
+    bb_lend_options_init(&lo);
+    lo.backend = static_cast<uint32_t>(o.backend);
+    lo.bytes = o.bytes;
+    lo.device_ptr = o.device_ptr;
+    lo.device = o.device;
+    lo.max_grants = o.max_grants;
+    lo.alignment = o.alignment;
+    lo.auto_grant = o.auto_grant ? 1u : 0u;
+    detail::check(bb_trainer_lend(h_.get(), &lo));
+  }
+  // Grants bytes (0: its mem_need) to a task that holds none; returns the grant's id.
+  // E_NOMEM when no free extent is large enough, E_BUSY when the task holds a grant.
+  uint64_t grant(uint64_t task_id, uint64_t bytes = 0) {
+    uint64_t id = 0;
+    detail::check(bb_trainer_grant(h_.get(), task_id, bytes, &id));
+    return id;
+  }
+  // Asks the task's grant back; a task that has not acked within grace (default 1 s) is
+  // killed. Returns at once: task_grant() and grant_stats() show the progress.
+  void revoke(uint64_t task_id, std::optional<std::chrono::nanoseconds> grace = std::nullopt) {
+    const uint64_t deadline = grace ? bb_now_ns() + detail::to_ns(*grace) : 0;
+    detail::check(bb_trainer_revoke(h_.get(), task_id, deadline));
+  }
+  // The task's grant; empty when it holds none. E_NOT_FOUND when no such task is attached.
+  std::optional<grant_info> task_grant(uint64_t task_id) const {
+    bb_grant_info_t g{};
+    g.size = sizeof g;
+    detail::check(bb_trainer_task_grant(h_.get(), task_id, &g));
+    if (g.state == BB_GRANT_STATE_NONE) return std::nullopt;
+    return grant_info{g.id, g.task_id, static_cast<grant_state>(g.state),
+                      static_cast<grant_backend>(g.backend), g.mapped != 0, g.bytes, g.offset,
+                      g.address, g.deadline_ns};
+  }
+  // The lender's byte counts and the revoke protocol's counters.
+  grant_stats grants() const {
+    bb_grant_stats_t s{};
+    s.size = sizeof s;
+    detail::check(bb_trainer_grant_stats(h_.get(), &s));
+    return s;
+  }
+
   // Stops every task and removes the hub now (the destructor does the same, silently).
   void close() { h_.close(); }
   bb_trainer_h native_handle() const { return h_.get(); }
@@ -258,6 +409,25 @@ struct task_options {
 
 using start_info = bb_start_info_t;
 using step_info = bb_step_info_t;
+
+// The grant a task maps (bb_task_grant_t). The memory stays mapped until the task's next
+// wait_start, ack_pause, ack_revoke, grant or detach: do not keep the pointer past that.
+struct task_grant {
+  uint64_t id;
+  grant_backend backend;
+  void* ptr;                                 // host pointer, or device pointer for CUDA
+  uint64_t bytes;
+  std::optional<uint64_t> revoke_deadline_ns;  // set while the trainer asks it back
+
+  bool revoking() const noexcept { return revoke_deadline_ns.has_value(); }
+  template <typename T = std::byte>
+  T* host_data() const {
+    return detail::host_pointer<T>(backend, reinterpret_cast<uintptr_t>(ptr), "the grant");
+  }
+#ifdef BUBBLE_HPP_SPAN
+  std::span<std::byte> host_bytes() const { return {host_data(), static_cast<size_t>(bytes)}; }
+#endif
+};
 
 enum class step_result { more, done };
 // How task::run ended when nothing failed.
@@ -338,6 +508,21 @@ class task {
     detail::check(bb_task_time_left(h_.get(), &left, &est));
     return {left == UINT64_MAX ? std::nullopt : std::optional<uint64_t>(left), est};
   }
+
+  // The grant this task maps now (mapping one just offered); empty when it holds none.
+  // Throws E_UNSUPPORTED (once) for a CUDA grant in a process without a CUDA driver.
+  std::optional<task_grant> grant() {
+    bb_task_grant_t g{};
+    g.size = sizeof g;
+    bb_status s = bb_task_grant(h_.get(), &g);
+    if (s == BB_E_NOT_FOUND) return std::nullopt;
+    detail::check(s);
+    return task_grant{g.id, static_cast<grant_backend>(g.backend), g.ptr, g.bytes,
+                      g.revoke_deadline_ns ? std::optional<uint64_t>(g.revoke_deadline_ns)
+                                           : std::nullopt};
+  }
+  // If the trainer is revoking the grant: unmaps it and acks. Stop all use of it first.
+  void ack_revoke() { detail::check(bb_task_ack_revoke(h_.get())); }
 
   // Acks any pending pause and releases the slot now (the destructor does it silently).
   void detach() { h_.close(); }

@@ -229,6 +229,217 @@ extern "C" {
 extern "C" {
     pub fn bb_trainer_iteration(trainer: bb_trainer_h) -> bb_status;
 }
+pub const BB_SCHEDULE_GPIPE: bb_schedule_kind = 0;
+pub const BB_SCHEDULE_1F1B: bb_schedule_kind = 1;
+pub const BB_SCHEDULE_INTERLEAVED: bb_schedule_kind = 2;
+pub const BB_SCHEDULE_ZBH1: bb_schedule_kind = 3;
+pub type bb_schedule_kind = ::std::os::raw::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct bb_schedule_t {
+    pub size: u32,
+    pub kind: u32,
+    pub stages: u32,
+    pub microbatches: u32,
+    pub chunks: u32,
+    pub stage: u32,
+    pub fwd_ns: u64,
+    pub bwd_ns: u64,
+    pub wgrad_ns: u64,
+    pub comm_ns: u64,
+}
+#[test]
+fn bindgen_test_layout_bb_schedule_t() {
+    assert_eq!(
+        ::std::mem::size_of::<bb_schedule_t>(),
+        56usize,
+        concat!("Size of: ", stringify!(bb_schedule_t))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<bb_schedule_t>(),
+        8usize,
+        concat!("Alignment of ", stringify!(bb_schedule_t))
+    );
+    fn test_field_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_schedule_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_schedule_t),
+                "::",
+                stringify!(size)
+            )
+        );
+    }
+    test_field_size();
+    fn test_field_kind() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_schedule_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).kind) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_schedule_t),
+                "::",
+                stringify!(kind)
+            )
+        );
+    }
+    test_field_kind();
+    fn test_field_stages() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_schedule_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).stages) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_schedule_t),
+                "::",
+                stringify!(stages)
+            )
+        );
+    }
+    test_field_stages();
+    fn test_field_microbatches() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_schedule_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).microbatches) as usize - ptr as usize
+            },
+            12usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_schedule_t),
+                "::",
+                stringify!(microbatches)
+            )
+        );
+    }
+    test_field_microbatches();
+    fn test_field_chunks() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_schedule_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).chunks) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_schedule_t),
+                "::",
+                stringify!(chunks)
+            )
+        );
+    }
+    test_field_chunks();
+    fn test_field_stage() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_schedule_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).stage) as usize - ptr as usize
+            },
+            20usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_schedule_t),
+                "::",
+                stringify!(stage)
+            )
+        );
+    }
+    test_field_stage();
+    fn test_field_fwd_ns() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_schedule_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).fwd_ns) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_schedule_t),
+                "::",
+                stringify!(fwd_ns)
+            )
+        );
+    }
+    test_field_fwd_ns();
+    fn test_field_bwd_ns() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_schedule_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bwd_ns) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_schedule_t),
+                "::",
+                stringify!(bwd_ns)
+            )
+        );
+    }
+    test_field_bwd_ns();
+    fn test_field_wgrad_ns() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_schedule_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).wgrad_ns) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_schedule_t),
+                "::",
+                stringify!(wgrad_ns)
+            )
+        );
+    }
+    test_field_wgrad_ns();
+    fn test_field_comm_ns() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_schedule_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).comm_ns) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_schedule_t),
+                "::",
+                stringify!(comm_ns)
+            )
+        );
+    }
+    test_field_comm_ns();
+}
+extern "C" {
+    pub fn bb_schedule_init(schedule: *mut bb_schedule_t);
+}
+extern "C" {
+    pub fn bb_trainer_set_schedule(
+        trainer: bb_trainer_h,
+        schedule: *const bb_schedule_t,
+    ) -> bb_status;
+}
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct bb_trainer_stats_t {
@@ -1039,12 +1250,15 @@ pub struct bb_start_info_t {
     pub begin_ns: u64,
     pub deadline_ns: u64,
     pub free_mem: u64,
+    pub grant_id: u64,
+    pub grant_ptr: *mut ::std::os::raw::c_void,
+    pub grant_bytes: u64,
 }
 #[test]
 fn bindgen_test_layout_bb_start_info_t() {
     assert_eq!(
         ::std::mem::size_of::<bb_start_info_t>(),
-        40usize,
+        64usize,
         concat!("Size of: ", stringify!(bb_start_info_t))
     );
     assert_eq!(
@@ -1154,6 +1368,57 @@ fn bindgen_test_layout_bb_start_info_t() {
         );
     }
     test_field_free_mem();
+    fn test_field_grant_id() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_start_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).grant_id) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_start_info_t),
+                "::",
+                stringify!(grant_id)
+            )
+        );
+    }
+    test_field_grant_id();
+    fn test_field_grant_ptr() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_start_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).grant_ptr) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_start_info_t),
+                "::",
+                stringify!(grant_ptr)
+            )
+        );
+    }
+    test_field_grant_ptr();
+    fn test_field_grant_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_start_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).grant_bytes) as usize - ptr as usize
+            },
+            56usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_start_info_t),
+                "::",
+                stringify!(grant_bytes)
+            )
+        );
+    }
+    test_field_grant_bytes();
 }
 extern "C" {
     pub fn bb_task_wait_start(
@@ -1188,12 +1453,15 @@ pub struct bb_step_info_t {
     pub time_left_ns: u64,
     pub est_step_ns: u64,
     pub free_mem: u64,
+    pub grant_id: u64,
+    pub grant_ptr: *mut ::std::os::raw::c_void,
+    pub grant_bytes: u64,
 }
 #[test]
 fn bindgen_test_layout_bb_step_info_t() {
     assert_eq!(
         ::std::mem::size_of::<bb_step_info_t>(),
-        48usize,
+        72usize,
         concat!("Size of: ", stringify!(bb_step_info_t))
     );
     assert_eq!(
@@ -1320,6 +1588,57 @@ fn bindgen_test_layout_bb_step_info_t() {
         );
     }
     test_field_free_mem();
+    fn test_field_grant_id() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_step_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).grant_id) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_step_info_t),
+                "::",
+                stringify!(grant_id)
+            )
+        );
+    }
+    test_field_grant_id();
+    fn test_field_grant_ptr() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_step_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).grant_ptr) as usize - ptr as usize
+            },
+            56usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_step_info_t),
+                "::",
+                stringify!(grant_ptr)
+            )
+        );
+    }
+    test_field_grant_ptr();
+    fn test_field_grant_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_step_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).grant_bytes) as usize - ptr as usize
+            },
+            64usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_step_info_t),
+                "::",
+                stringify!(grant_bytes)
+            )
+        );
+    }
+    test_field_grant_bytes();
 }
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
@@ -1500,4 +1819,906 @@ extern "C" {
 }
 extern "C" {
     pub fn bb_task_run(task: bb_task_h, callbacks: *const bb_task_callbacks_t) -> bb_status;
+}
+pub const BB_GRANT_HOST: bb_grant_backend = 1;
+pub const BB_GRANT_CUDA_IPC: bb_grant_backend = 2;
+pub const BB_GRANT_CUDA_VMM: bb_grant_backend = 3;
+pub type bb_grant_backend = ::std::os::raw::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct bb_lend_options_t {
+    pub size: u32,
+    pub backend: u32,
+    pub bytes: u64,
+    pub device_ptr: u64,
+    pub device: i32,
+    pub max_grants: u32,
+    pub alignment: u64,
+    pub auto_grant: u32,
+    pub reserved0_: u32,
+}
+#[test]
+fn bindgen_test_layout_bb_lend_options_t() {
+    assert_eq!(
+        ::std::mem::size_of::<bb_lend_options_t>(),
+        48usize,
+        concat!("Size of: ", stringify!(bb_lend_options_t))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<bb_lend_options_t>(),
+        8usize,
+        concat!("Alignment of ", stringify!(bb_lend_options_t))
+    );
+    fn test_field_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_lend_options_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_lend_options_t),
+                "::",
+                stringify!(size)
+            )
+        );
+    }
+    test_field_size();
+    fn test_field_backend() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_lend_options_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).backend) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_lend_options_t),
+                "::",
+                stringify!(backend)
+            )
+        );
+    }
+    test_field_backend();
+    fn test_field_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_lend_options_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_lend_options_t),
+                "::",
+                stringify!(bytes)
+            )
+        );
+    }
+    test_field_bytes();
+    fn test_field_device_ptr() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_lend_options_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).device_ptr) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_lend_options_t),
+                "::",
+                stringify!(device_ptr)
+            )
+        );
+    }
+    test_field_device_ptr();
+    fn test_field_device() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_lend_options_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).device) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_lend_options_t),
+                "::",
+                stringify!(device)
+            )
+        );
+    }
+    test_field_device();
+    fn test_field_max_grants() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_lend_options_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).max_grants) as usize - ptr as usize
+            },
+            28usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_lend_options_t),
+                "::",
+                stringify!(max_grants)
+            )
+        );
+    }
+    test_field_max_grants();
+    fn test_field_alignment() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_lend_options_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).alignment) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_lend_options_t),
+                "::",
+                stringify!(alignment)
+            )
+        );
+    }
+    test_field_alignment();
+    fn test_field_auto_grant() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_lend_options_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).auto_grant) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_lend_options_t),
+                "::",
+                stringify!(auto_grant)
+            )
+        );
+    }
+    test_field_auto_grant();
+    fn test_field_reserved0_() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_lend_options_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved0_) as usize - ptr as usize
+            },
+            44usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_lend_options_t),
+                "::",
+                stringify!(reserved0_)
+            )
+        );
+    }
+    test_field_reserved0_();
+}
+extern "C" {
+    pub fn bb_lend_options_init(opts: *mut bb_lend_options_t);
+}
+extern "C" {
+    pub fn bb_trainer_lend(trainer: bb_trainer_h, opts: *const bb_lend_options_t) -> bb_status;
+}
+extern "C" {
+    pub fn bb_trainer_grant(
+        trainer: bb_trainer_h,
+        task_id: u64,
+        bytes: u64,
+        grant_id: *mut u64,
+    ) -> bb_status;
+}
+extern "C" {
+    pub fn bb_trainer_revoke(trainer: bb_trainer_h, task_id: u64, deadline_ns: u64) -> bb_status;
+}
+pub const BB_GRANT_STATE_NONE: bb_grant_state = 0;
+pub const BB_GRANT_STATE_ACTIVE: bb_grant_state = 1;
+pub const BB_GRANT_STATE_REVOKING: bb_grant_state = 2;
+pub const BB_GRANT_STATE_QUARANTINED: bb_grant_state = 3;
+pub type bb_grant_state = ::std::os::raw::c_uint;
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct bb_grant_info_t {
+    pub size: u32,
+    pub state: u32,
+    pub id: u64,
+    pub task_id: u64,
+    pub backend: u32,
+    pub mapped: u32,
+    pub bytes: u64,
+    pub offset: u64,
+    pub address: u64,
+    pub deadline_ns: u64,
+}
+#[test]
+fn bindgen_test_layout_bb_grant_info_t() {
+    assert_eq!(
+        ::std::mem::size_of::<bb_grant_info_t>(),
+        64usize,
+        concat!("Size of: ", stringify!(bb_grant_info_t))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<bb_grant_info_t>(),
+        8usize,
+        concat!("Alignment of ", stringify!(bb_grant_info_t))
+    );
+    fn test_field_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_info_t),
+                "::",
+                stringify!(size)
+            )
+        );
+    }
+    test_field_size();
+    fn test_field_state() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).state) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_info_t),
+                "::",
+                stringify!(state)
+            )
+        );
+    }
+    test_field_state();
+    fn test_field_id() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).id) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_info_t),
+                "::",
+                stringify!(id)
+            )
+        );
+    }
+    test_field_id();
+    fn test_field_task_id() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).task_id) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_info_t),
+                "::",
+                stringify!(task_id)
+            )
+        );
+    }
+    test_field_task_id();
+    fn test_field_backend() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).backend) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_info_t),
+                "::",
+                stringify!(backend)
+            )
+        );
+    }
+    test_field_backend();
+    fn test_field_mapped() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).mapped) as usize - ptr as usize
+            },
+            28usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_info_t),
+                "::",
+                stringify!(mapped)
+            )
+        );
+    }
+    test_field_mapped();
+    fn test_field_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_info_t),
+                "::",
+                stringify!(bytes)
+            )
+        );
+    }
+    test_field_bytes();
+    fn test_field_offset() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).offset) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_info_t),
+                "::",
+                stringify!(offset)
+            )
+        );
+    }
+    test_field_offset();
+    fn test_field_address() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).address) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_info_t),
+                "::",
+                stringify!(address)
+            )
+        );
+    }
+    test_field_address();
+    fn test_field_deadline_ns() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).deadline_ns) as usize - ptr as usize
+            },
+            56usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_info_t),
+                "::",
+                stringify!(deadline_ns)
+            )
+        );
+    }
+    test_field_deadline_ns();
+}
+extern "C" {
+    pub fn bb_trainer_task_grant(
+        trainer: bb_trainer_h,
+        task_id: u64,
+        out: *mut bb_grant_info_t,
+    ) -> bb_status;
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct bb_grant_stats_t {
+    pub size: u32,
+    pub backend: u32,
+    pub capacity: u64,
+    pub granted_bytes: u64,
+    pub requested_bytes: u64,
+    pub free_bytes: u64,
+    pub largest_free: u64,
+    pub revoking_bytes: u64,
+    pub quarantined_bytes: u64,
+    pub active: u32,
+    pub revoking: u32,
+    pub quarantined: u32,
+    pub reserved0_: u32,
+    pub grants_made: u64,
+    pub grants_failed: u64,
+    pub revokes: u64,
+    pub revokes_acked: u64,
+    pub tasks_killed: u64,
+    pub released_dead: u64,
+}
+#[test]
+fn bindgen_test_layout_bb_grant_stats_t() {
+    assert_eq!(
+        ::std::mem::size_of::<bb_grant_stats_t>(),
+        128usize,
+        concat!("Size of: ", stringify!(bb_grant_stats_t))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<bb_grant_stats_t>(),
+        8usize,
+        concat!("Alignment of ", stringify!(bb_grant_stats_t))
+    );
+    fn test_field_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(size)
+            )
+        );
+    }
+    test_field_size();
+    fn test_field_backend() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).backend) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(backend)
+            )
+        );
+    }
+    test_field_backend();
+    fn test_field_capacity() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).capacity) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(capacity)
+            )
+        );
+    }
+    test_field_capacity();
+    fn test_field_granted_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).granted_bytes) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(granted_bytes)
+            )
+        );
+    }
+    test_field_granted_bytes();
+    fn test_field_requested_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).requested_bytes) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(requested_bytes)
+            )
+        );
+    }
+    test_field_requested_bytes();
+    fn test_field_free_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).free_bytes) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(free_bytes)
+            )
+        );
+    }
+    test_field_free_bytes();
+    fn test_field_largest_free() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).largest_free) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(largest_free)
+            )
+        );
+    }
+    test_field_largest_free();
+    fn test_field_revoking_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).revoking_bytes) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(revoking_bytes)
+            )
+        );
+    }
+    test_field_revoking_bytes();
+    fn test_field_quarantined_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).quarantined_bytes) as usize - ptr as usize
+            },
+            56usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(quarantined_bytes)
+            )
+        );
+    }
+    test_field_quarantined_bytes();
+    fn test_field_active() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).active) as usize - ptr as usize
+            },
+            64usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(active)
+            )
+        );
+    }
+    test_field_active();
+    fn test_field_revoking() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).revoking) as usize - ptr as usize
+            },
+            68usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(revoking)
+            )
+        );
+    }
+    test_field_revoking();
+    fn test_field_quarantined() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).quarantined) as usize - ptr as usize
+            },
+            72usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(quarantined)
+            )
+        );
+    }
+    test_field_quarantined();
+    fn test_field_reserved0_() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved0_) as usize - ptr as usize
+            },
+            76usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(reserved0_)
+            )
+        );
+    }
+    test_field_reserved0_();
+    fn test_field_grants_made() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).grants_made) as usize - ptr as usize
+            },
+            80usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(grants_made)
+            )
+        );
+    }
+    test_field_grants_made();
+    fn test_field_grants_failed() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).grants_failed) as usize - ptr as usize
+            },
+            88usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(grants_failed)
+            )
+        );
+    }
+    test_field_grants_failed();
+    fn test_field_revokes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).revokes) as usize - ptr as usize
+            },
+            96usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(revokes)
+            )
+        );
+    }
+    test_field_revokes();
+    fn test_field_revokes_acked() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).revokes_acked) as usize - ptr as usize
+            },
+            104usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(revokes_acked)
+            )
+        );
+    }
+    test_field_revokes_acked();
+    fn test_field_tasks_killed() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).tasks_killed) as usize - ptr as usize
+            },
+            112usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(tasks_killed)
+            )
+        );
+    }
+    test_field_tasks_killed();
+    fn test_field_released_dead() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_grant_stats_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).released_dead) as usize - ptr as usize
+            },
+            120usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_grant_stats_t),
+                "::",
+                stringify!(released_dead)
+            )
+        );
+    }
+    test_field_released_dead();
+}
+extern "C" {
+    pub fn bb_trainer_grant_stats(trainer: bb_trainer_h, out: *mut bb_grant_stats_t) -> bb_status;
+}
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct bb_task_grant_t {
+    pub size: u32,
+    pub backend: u32,
+    pub id: u64,
+    pub ptr: *mut ::std::os::raw::c_void,
+    pub bytes: u64,
+    pub revoke_deadline_ns: u64,
+}
+#[test]
+fn bindgen_test_layout_bb_task_grant_t() {
+    assert_eq!(
+        ::std::mem::size_of::<bb_task_grant_t>(),
+        40usize,
+        concat!("Size of: ", stringify!(bb_task_grant_t))
+    );
+    assert_eq!(
+        ::std::mem::align_of::<bb_task_grant_t>(),
+        8usize,
+        concat!("Alignment of ", stringify!(bb_task_grant_t))
+    );
+    fn test_field_size() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_task_grant_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).size) as usize - ptr as usize
+            },
+            0usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_task_grant_t),
+                "::",
+                stringify!(size)
+            )
+        );
+    }
+    test_field_size();
+    fn test_field_backend() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_task_grant_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).backend) as usize - ptr as usize
+            },
+            4usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_task_grant_t),
+                "::",
+                stringify!(backend)
+            )
+        );
+    }
+    test_field_backend();
+    fn test_field_id() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_task_grant_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).id) as usize - ptr as usize
+            },
+            8usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_task_grant_t),
+                "::",
+                stringify!(id)
+            )
+        );
+    }
+    test_field_id();
+    fn test_field_ptr() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_task_grant_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).ptr) as usize - ptr as usize
+            },
+            16usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_task_grant_t),
+                "::",
+                stringify!(ptr)
+            )
+        );
+    }
+    test_field_ptr();
+    fn test_field_bytes() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_task_grant_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bytes) as usize - ptr as usize
+            },
+            24usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_task_grant_t),
+                "::",
+                stringify!(bytes)
+            )
+        );
+    }
+    test_field_bytes();
+    fn test_field_revoke_deadline_ns() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_task_grant_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).revoke_deadline_ns) as usize - ptr as usize
+            },
+            32usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_task_grant_t),
+                "::",
+                stringify!(revoke_deadline_ns)
+            )
+        );
+    }
+    test_field_revoke_deadline_ns();
+}
+extern "C" {
+    pub fn bb_task_grant(task: bb_task_h, out: *mut bb_task_grant_t) -> bb_status;
+}
+extern "C" {
+    pub fn bb_task_ack_revoke(task: bb_task_h) -> bb_status;
 }

@@ -20,15 +20,19 @@
 //! ```
 
 mod error;
+mod grant;
 mod task;
 mod trainer;
 
 pub use error::{Error, Result, Status};
+pub use grant::{Grant, GrantBackend, GrantInfo, GrantRegion, GrantState, GrantStats, LendOptions};
 pub use task::{
     OnTrainerExit, Outcome, SideTask, StartInfo, Step, StepInfo, Task, TaskOptions, TaskResult,
     TimeLeft, WakeMode,
 };
-pub use trainer::{BubbleGuard, BubbleKind, TaskInfo, Trainer, TrainerOptions, TrainerStats};
+pub use trainer::{
+    BubbleGuard, BubbleKind, Schedule, ScheduleKind, TaskInfo, Trainer, TrainerOptions, TrainerStats,
+};
 
 /// The version of the loaded libbubble ("0.1.0").
 pub fn library_version() -> &'static str {

@@ -1,4 +1,6 @@
 use std::any::Any;
+use std::cell::{RefCell, RefMut};
+use std::marker::PhantomData;
 use std::os::raw::{c_int, c_void};
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::ptr::NonNull;
@@ -7,6 +9,7 @@ use std::time::Duration;
 use bubble_sys as sys;
 
 use crate::error::{check, Error, Result, Status};
+use crate::grant::{Grant, GrantRegion, StepMemory};
 use crate::trainer::BubbleKind;
 use crate::{c_string, duration_ns};
 
@@ -31,9 +34,9 @@ pub enum Outcome {
     TrainerGone,
 }
 
-/// The bubble a step runs in.
-#[derive(Debug, Clone, Copy)]
-pub struct StepInfo {
+/// The bubble a step runs in, and the task's grant for this step.
+#[derive(Debug)]
+pub struct StepInfo<'a> {
     pub kind: BubbleKind,
     pub bubble_seq: u64,
     /// None if the trainer gave no deadline.
@@ -42,6 +45,18 @@ pub struct StepInfo {
     /// The runtime's estimate of one step (None before the first).
     pub est_step: Option<Duration>,
     pub free_mem: Option<u64>,
+    /// The memory grant the task holds in this step. A revoked grant is unmapped between
+    /// steps: take it from every step's info, never keep it.
+    pub grant: Option<GrantRegion>,
+    pub(crate) memory: Option<StepMemory<'a>>,
+}
+
+impl StepInfo<'_> {
+    /// The grant's host memory for this step; None without a grant or for device memory.
+    /// Panics if the memory is already borrowed in this step (as `RefCell` does).
+    pub fn grant_memory(&self) -> Option<RefMut<'_, [u8]>> {
+        self.memory.as_ref().map(StepMemory::borrow_mut)
+    }
 }
 
 /// Why the task was started: the bubble it runs in.
@@ -52,6 +67,8 @@ pub struct StartInfo {
     pub begin_ns: u64,
     pub deadline_ns: Option<u64>,
     pub free_mem: Option<u64>,
+    /// The memory grant the task holds in this run; `Task::grant` gives checked access to it.
+    pub grant: Option<GrantRegion>,
 }
 
 /// What remains of the current bubble.
@@ -69,7 +86,7 @@ pub trait SideTask {
     fn init(&mut self) -> TaskResult<()> {
         Ok(())
     }
-    fn step(&mut self, info: &StepInfo) -> TaskResult<Step>;
+    fn step(&mut self, info: &StepInfo<'_>) -> TaskResult<Step>;
     fn pause(&mut self) -> TaskResult<()> {
         Ok(())
     }
@@ -188,7 +205,7 @@ impl Task {
     /// Hands the loop to the runtime until the work is done, the task is stopped or the
     /// trainer leaves.
     pub fn run<T: SideTask>(&mut self, side_task: &mut T) -> Result<Outcome> {
-        let mut bridge = Bridge { task: side_task, failure: None };
+        let mut bridge = Bridge { task: side_task, failure: None, handle: self.raw.as_ptr(), host_grant: 0 };
         // SAFETY: init fills every field.
         let mut cbs = unsafe {
             let mut c = std::mem::MaybeUninit::<sys::bb_task_callbacks_t>::uninit();
@@ -239,6 +256,7 @@ impl Task {
             begin_ns: info.begin_ns,
             deadline_ns: nonzero(info.deadline_ns),
             free_mem: known(info.free_mem),
+            grant: GrantRegion::from_raw(info.grant_id, info.grant_ptr, info.grant_bytes),
         }))
     }
 
@@ -270,6 +288,29 @@ impl Task {
         })
     }
 
+    /// The grant this task maps now (mapping one just offered); None when it holds none.
+    /// Fails with `Status::Unsupported` (once) for a CUDA grant in a process without a CUDA
+    /// driver, and that grant goes back to the trainer.
+    pub fn grant(&mut self) -> Result<Option<Grant<'_>>> {
+        // SAFETY: all-zero is valid; size set below.
+        let mut g: sys::bb_task_grant_t = unsafe { std::mem::zeroed() };
+        g.size = std::mem::size_of::<sys::bb_task_grant_t>() as u32;
+        // SAFETY: live handle, valid out-parameter.
+        let code = unsafe { sys::bb_task_grant(self.raw.as_ptr(), &mut g) };
+        if code == sys::BB_E_NOT_FOUND {
+            return Ok(None);
+        }
+        check(code)?;
+        Ok(Some(Grant { raw: g, task: self.raw.as_ptr(), _task: PhantomData }))
+    }
+
+    /// If the trainer is revoking this task's grant: unmaps it and acks; otherwise nothing.
+    /// Stop all use of the grant (device work included) first.
+    pub fn ack_revoke(&mut self) -> Result<()> {
+        // SAFETY: live handle.
+        check(unsafe { sys::bb_task_ack_revoke(self.raw.as_ptr()) })
+    }
+
     /// Detaches now and reports the status, which `Drop` cannot.
     pub fn detach(self) -> Result<()> {
         let raw = self.raw.as_ptr();
@@ -298,6 +339,9 @@ enum Failure {
 struct Bridge<'a, T: SideTask> {
     task: &'a mut T,
     failure: Option<Failure>,
+    handle: sys::bb_task_h,
+    /// The id of the last grant known to be host memory (0: none).
+    host_grant: u64,
 }
 
 impl<T: SideTask> Bridge<'_, T> {
@@ -324,8 +368,33 @@ impl<T: SideTask> Bridge<'_, T> {
     unsafe extern "C" fn init(user: *mut c_void) -> c_int {
         Self::guarded(user, |t| t.init().map(|_| 0))
     }
+    /// Whether the step's grant is host memory. The step info does not say which backend a
+    /// grant has; bb_task_grant does, and on the runtime's own thread between its steps it
+    /// only reports the mapping the step was given (it never unmaps).
+    unsafe fn is_host(user: *mut c_void, grant: &GrantRegion) -> bool {
+        let bridge = &mut *(user as *mut Self);
+        if bridge.host_grant != grant.id {
+            let mut g: sys::bb_task_grant_t = std::mem::zeroed();
+            g.size = std::mem::size_of::<sys::bb_task_grant_t>() as u32;
+            let ok = sys::bb_task_grant(bridge.handle, &mut g) == sys::BB_OK;
+            if ok && g.id == grant.id && g.ptr == grant.ptr && g.backend == sys::BB_GRANT_HOST {
+                bridge.host_grant = grant.id;
+            }
+        }
+        bridge.host_grant == grant.id
+    }
+
     unsafe extern "C" fn step(user: *mut c_void, info: *const sys::bb_step_info_t) -> c_int {
         let i = &*info;
+        let grant = GrantRegion::from_raw(i.grant_id, i.grant_ptr, i.grant_bytes);
+        let memory = match grant {
+            Some(g) if Self::is_host(user, &g) => {
+                // SAFETY: a host grant is mapped for its size until this step returns.
+                let s = std::slice::from_raw_parts_mut(g.ptr as *mut u8, g.bytes as usize);
+                Some(StepMemory(RefCell::new(s)))
+            }
+            _ => None,
+        };
         let info = StepInfo {
             kind: BubbleKind::from_raw(i.kind),
             bubble_seq: i.bubble_seq,
@@ -333,6 +402,8 @@ impl<T: SideTask> Bridge<'_, T> {
             time_left: known(i.time_left_ns).map(Duration::from_nanos),
             est_step: nonzero(i.est_step_ns).map(Duration::from_nanos),
             free_mem: known(i.free_mem),
+            grant,
+            memory,
         };
         Self::guarded(user, |t| {
             t.step(&info).map(|s| match s {

@@ -4,6 +4,7 @@ use std::time::Duration;
 use bubble_sys as sys;
 
 use crate::error::{check, Result};
+use crate::grant::{GrantInfo, GrantStats, LendOptions};
 use crate::{c_string, duration_ns};
 
 /// Where in the pipeline schedule a bubble sits.
@@ -35,6 +36,59 @@ impl BubbleKind {
             2 => BubbleKind::Steady,
             3 => BubbleKind::Cooldown,
             _ => BubbleKind::Other,
+        }
+    }
+}
+
+/// The pipeline schedule a trainer runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ScheduleKind {
+    /// All forwards, then all backwards.
+    GPipe,
+    /// One forward, one backward (PipeDream-flush, Megatron).
+    #[default]
+    OneFOneB,
+    /// Interleaved 1F1B with `chunks` model chunks per stage.
+    Interleaved,
+    /// Zero-bubble H1: the backward split into input- and weight-gradient parts.
+    ZbH1,
+}
+
+/// A declared pipeline schedule, so the predictor knows each bubble's length from the first
+/// iteration on; `Default` is 1F1B with nothing else set.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Schedule {
+    pub kind: ScheduleKind,
+    /// p >= 1.
+    pub stages: u32,
+    /// m >= 1.
+    pub microbatches: u32,
+    /// Interleaved only: v >= 2; else 1.
+    pub chunks: u32,
+    /// This trainer's stage, 0..p-1.
+    pub stage: u32,
+    /// One micro-batch's forward through the stage.
+    pub fwd: Duration,
+    /// Its backward (ZB-H1: the input-gradient part).
+    pub bwd: Duration,
+    /// ZB-H1: the weight-gradient part.
+    pub wgrad: Duration,
+    /// Point-to-point transfer between stages.
+    pub comm: Duration,
+}
+
+impl Default for Schedule {
+    fn default() -> Self {
+        Schedule {
+            kind: ScheduleKind::OneFOneB,
+            stages: 0,
+            microbatches: 0,
+            chunks: 1,
+            stage: 0,
+            fwd: Duration::ZERO,
+            bwd: Duration::ZERO,
+            wgrad: Duration::ZERO,
+            comm: Duration::ZERO,
         }
     }
 }
@@ -136,6 +190,33 @@ impl Trainer {
         check(unsafe { sys::bb_trainer_iteration(self.raw.as_ptr()) })
     }
 
+    /// Declares the pipeline schedule (from the bubble thread, before an iteration; not
+    /// bounded-time). `Status::Invalid` names what the schedule model rejects.
+    pub fn set_schedule(&mut self, schedule: &Schedule) -> Result<()> {
+        // SAFETY: init fills every field.
+        let mut c = unsafe {
+            let mut c = std::mem::MaybeUninit::<sys::bb_schedule_t>::uninit();
+            sys::bb_schedule_init(c.as_mut_ptr());
+            c.assume_init()
+        };
+        c.kind = match schedule.kind {
+            ScheduleKind::GPipe => sys::BB_SCHEDULE_GPIPE,
+            ScheduleKind::OneFOneB => sys::BB_SCHEDULE_1F1B,
+            ScheduleKind::Interleaved => sys::BB_SCHEDULE_INTERLEAVED,
+            ScheduleKind::ZbH1 => sys::BB_SCHEDULE_ZBH1,
+        };
+        c.stages = schedule.stages;
+        c.microbatches = schedule.microbatches;
+        c.chunks = schedule.chunks;
+        c.stage = schedule.stage;
+        c.fwd_ns = duration_ns(schedule.fwd);
+        c.bwd_ns = duration_ns(schedule.bwd);
+        c.wgrad_ns = duration_ns(schedule.wgrad);
+        c.comm_ns = duration_ns(schedule.comm);
+        // SAFETY: live handle, valid schedule.
+        check(unsafe { sys::bb_trainer_set_schedule(self.raw.as_ptr(), &c) })
+    }
+
     pub fn stats(&self) -> Result<TrainerStats> {
         // SAFETY: an all-zero stats struct is valid; size tells the library how much to fill.
         let mut s: TrainerStats = unsafe { std::mem::zeroed() };
@@ -169,6 +250,53 @@ impl Trainer {
     pub fn stop_task(&self, task_id: u64) -> Result<()> {
         // SAFETY: live handle.
         check(unsafe { sys::bb_trainer_stop_task(self.raw.as_ptr(), task_id) })
+    }
+
+    /// Lends memory to the hub's tasks; once per hub (`Status::Busy` after that).
+    /// `Status::Unsupported` for a CUDA backend without a usable CUDA driver.
+    pub fn lend(&self, options: &LendOptions) -> Result<()> {
+        let o = options.to_sys();
+        // SAFETY: live handle, valid options.
+        check(unsafe { sys::bb_trainer_lend(self.raw.as_ptr(), &o) })
+    }
+
+    /// Grants `bytes` (None: the task's `mem_need`) of the lent memory to a task that holds no
+    /// grant, and returns the grant's id. `Status::NoMemory` when no free extent is large
+    /// enough, `Status::Busy` when the task already holds one.
+    pub fn grant(&self, task_id: u64, bytes: Option<u64>) -> Result<u64> {
+        let mut id = 0u64;
+        // SAFETY: live handle, valid out-parameter.
+        check(unsafe { sys::bb_trainer_grant(self.raw.as_ptr(), task_id, bytes.unwrap_or(0), &mut id) })?;
+        Ok(id)
+    }
+
+    /// Asks a task's grant back; a task that has not acked within `grace` (None: 1 s) is
+    /// killed. Returns at once: `task_grant` and `grant_stats` show the progress.
+    pub fn revoke(&self, task_id: u64, grace: Option<Duration>) -> Result<()> {
+        let deadline = grace.map_or(0, |g| crate::now_ns().saturating_add(duration_ns(g)));
+        // SAFETY: live handle.
+        check(unsafe { sys::bb_trainer_revoke(self.raw.as_ptr(), task_id, deadline) })
+    }
+
+    /// The grant of one task (by `TaskInfo::id`); None when it holds none.
+    /// `Status::NotFound` when no such task is attached.
+    pub fn task_grant(&self, task_id: u64) -> Result<Option<GrantInfo>> {
+        // SAFETY: all-zero is valid; size set below.
+        let mut g: sys::bb_grant_info_t = unsafe { std::mem::zeroed() };
+        g.size = std::mem::size_of::<sys::bb_grant_info_t>() as u32;
+        // SAFETY: live handle, valid out-parameter.
+        check(unsafe { sys::bb_trainer_task_grant(self.raw.as_ptr(), task_id, &mut g) })?;
+        Ok(GrantInfo::from_sys(&g))
+    }
+
+    /// The lender's byte counts and the revoke protocol's counters.
+    pub fn grant_stats(&self) -> Result<GrantStats> {
+        // SAFETY: all-zero is valid; size set below.
+        let mut s: sys::bb_grant_stats_t = unsafe { std::mem::zeroed() };
+        s.size = std::mem::size_of::<sys::bb_grant_stats_t>() as u32;
+        // SAFETY: live handle, valid out-parameter.
+        check(unsafe { sys::bb_trainer_grant_stats(self.raw.as_ptr(), &mut s) })?;
+        Ok(GrantStats::from_sys(&s))
     }
 
     /// Closes now and reports the status, which `Drop` cannot.

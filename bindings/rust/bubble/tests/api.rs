@@ -2,13 +2,13 @@
 //! Each test uses its own runtime directory (through the options, not the process environment,
 //! since tests run in parallel).
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bubble::{
-    BubbleKind, Outcome, SideTask, Status, Step, StepInfo, Task, TaskOptions, TaskResult, Trainer,
-    TrainerOptions,
+    BubbleKind, GrantBackend, GrantState, LendOptions, Outcome, Schedule, SideTask, Status, Step,
+    StepInfo, Task, TaskOptions, TaskResult, Trainer, TrainerOptions,
 };
 
 struct Env {
@@ -282,4 +282,222 @@ fn tasks_lists_names_priorities_and_detach_removes_them() {
     drop(beta);
     assert!(eventually(|| trainer.tasks().unwrap().len() == 1));
     alpha.detach().unwrap();
+}
+
+fn pattern_word(seed: u32, i: usize) -> u32 {
+    seed ^ (i as u32).wrapping_mul(2654435761)
+}
+
+fn write_pattern(mem: &mut [u8], seed: u32) {
+    for (i, w) in mem.chunks_exact_mut(4).enumerate() {
+        w.copy_from_slice(&pattern_word(seed, i).to_ne_bytes());
+    }
+}
+
+fn pattern_ok(mem: &[u8], seed: u32) -> bool {
+    mem.chunks_exact(4).enumerate().all(|(i, w)| w == pattern_word(seed, i).to_ne_bytes())
+}
+
+const GRANT: u64 = 64 * 1024;
+
+fn lend_host(trainer: &Trainer) {
+    trainer.lend(&LendOptions { bytes: 1 << 20, ..Default::default() }).unwrap();
+}
+
+/// Sets a flag when dropped, so a task thread gives up its bounded waits when the test fails.
+struct QuitOnDrop(Arc<AtomicBool>);
+impl Drop for QuitOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn host_grant_written_by_an_imperative_task_is_read_by_the_trainer_then_revoked_and_acked() {
+    let env = Env::new();
+    let trainer = env.trainer();
+    lend_host(&trainer);
+    assert_eq!(trainer.lend(&LendOptions { bytes: 1 << 20, ..Default::default() }).unwrap_err().status, Status::Busy);
+
+    let written = Arc::new(AtomicU64::new(0));
+    let acked = Arc::new(AtomicU64::new(0));
+    let rewritten = Arc::new(AtomicU64::new(0));
+    let quit = Arc::new(AtomicBool::new(false));
+    let paused = Arc::new(AtomicBool::new(false));
+    let _quit_guard = QuitOnDrop(quit.clone());
+    let (opts, job) = (TaskOptions { mem_need: GRANT, ..env.task_options() }, env.job.clone());
+    let (w2, a2, r2, q2, p2) = (written.clone(), acked.clone(), rewritten.clone(), quit.clone(), paused.clone());
+    let task_side = std::thread::spawn(move || -> Result<(), String> {
+        let quit = || q2.load(Ordering::SeqCst);
+        let mut task = Task::attach(&job, 0, "granted", &opts).map_err(|e| e.to_string())?;
+        let start = task.wait_start(Some(Duration::from_secs(20))).unwrap().ok_or("never started")?;
+        let region = start.grant.ok_or("started without its grant")?;
+        assert_eq!(region.bytes, GRANT);
+        {
+            let mut g = task.grant().unwrap().ok_or("grant() found none")?;
+            assert_eq!((g.id(), g.as_ptr()), (region.id, region.ptr));
+            assert_eq!(g.backend(), GrantBackend::Host);
+            assert!(!g.is_revoking());
+            write_pattern(g.as_mut_slice().unwrap(), 7);
+            w2.store(g.id(), Ordering::SeqCst);
+            while !g.should_pause() && !quit() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        task.ack_pause().unwrap();
+        p2.store(true, Ordering::SeqCst);
+        // Idle now: wait for the trainer to ask the grant back, then give it.
+        let mut revoked = 0;
+        eventually(|| {
+            if let Some(g) = task.grant().unwrap() {
+                if g.is_revoking() {
+                    assert!(g.revoke_time_left().unwrap() > Duration::ZERO);
+                    revoked = g.id();
+                }
+            }
+            revoked != 0 || quit()
+        });
+        if revoked == 0 {
+            return Err("no revoke".into());
+        }
+        task.ack_revoke().unwrap();
+        assert!(task.grant().unwrap().is_none(), "the grant is still mapped after ack_revoke");
+        a2.store(revoked, Ordering::SeqCst);
+        // The trainer grants again on request: the new grant is mapped on the next look.
+        let mut again = 0;
+        eventually(|| {
+            if let Some(mut g) = task.grant().unwrap() {
+                write_pattern(g.as_mut_slice().unwrap(), 11);
+                again = g.id();
+            }
+            again != 0 || quit()
+        });
+        r2.store(again, Ordering::SeqCst);
+        loop {
+            match task.wait_start(Some(Duration::from_millis(100))) {
+                Err(e) if e.status == Status::Stopped => return task.detach().map_err(|e| e.to_string()),
+                Err(e) => return Err(e.to_string()),
+                Ok(_) if quit() => return Err("quit".into()),
+                Ok(_) => {}
+            }
+        }
+    });
+
+    assert!(eventually(|| trainer.tasks().unwrap().len() == 1));
+    let id = trainer.tasks().unwrap()[0].id;
+    // auto_grant: the attach with a mem_need is granted without being asked.
+    assert!(eventually(|| trainer.task_grant(id).unwrap().is_some()));
+    let mut trainer = trainer;
+    assert!(bubble_until(&mut trainer, || written.load(Ordering::SeqCst) != 0));
+    let g = trainer.task_grant(id).unwrap().unwrap();
+    assert_eq!(g.id, written.load(Ordering::SeqCst));
+    assert_eq!(g.task_id, id);
+    assert_eq!(g.state, GrantState::Active);
+    assert_eq!(g.backend, GrantBackend::Host);
+    assert_eq!(g.bytes, GRANT);
+    assert!(g.mapped);
+    // The trainer reads what the task wrote at its own address of the grant.
+    // SAFETY: the grant stays active until the revoke below; the task wrote before saying so.
+    assert!(pattern_ok(unsafe { g.as_host_slice() }.unwrap(), 7));
+    let s = trainer.grant_stats().unwrap();
+    assert_eq!(s.backend, Some(GrantBackend::Host));
+    assert_eq!((s.capacity, s.active, s.granted_bytes, s.grants_made), (1 << 20, 1, GRANT, 1));
+
+    // Revoked once idle: a pending revoke would be acked by the pause's ack already.
+    assert!(eventually(|| paused.load(Ordering::SeqCst)));
+    trainer.revoke(id, Some(Duration::from_secs(30))).unwrap();
+    // Already revoking, or already given back.
+    assert!(trainer.revoke(id, None).is_err());
+    assert!(eventually(|| trainer.grant_stats().unwrap().revokes_acked == 1));
+    assert!(eventually(|| acked.load(Ordering::SeqCst) == g.id)); // the task says so after its ack
+    assert!(trainer.task_grant(id).unwrap().is_none());
+    let s = trainer.grant_stats().unwrap();
+    assert_eq!((s.revokes, s.tasks_killed, s.active, s.granted_bytes), (1, 0, 0, 0));
+    assert_eq!(s.free_bytes, s.capacity);
+
+    let again = trainer.grant(id, None).unwrap();
+    assert!(again > g.id);
+    assert_eq!(trainer.grant(id, None).unwrap_err().status, Status::Busy); // one grant per task
+    assert!(eventually(|| rewritten.load(Ordering::SeqCst) == again));
+    let g = trainer.task_grant(id).unwrap().unwrap();
+    // SAFETY: as above.
+    assert!(pattern_ok(unsafe { g.as_host_slice() }.unwrap(), 11));
+
+    trainer.stop_task(id).unwrap();
+    task_side.join().unwrap().unwrap();
+    // Detaching gave the grant back.
+    assert!(eventually(|| trainer.grant_stats().unwrap().active == 0));
+    assert_eq!(trainer.grant_stats().unwrap().tasks_killed, 0);
+}
+
+#[test]
+fn side_task_writes_its_grant_through_step_info_and_the_runtime_acks_the_revoke() {
+    struct Writer {
+        written: Arc<AtomicU64>,
+        seen_without: Arc<AtomicU32>,
+    }
+    impl SideTask for Writer {
+        fn step(&mut self, info: &StepInfo) -> TaskResult<Step> {
+            match (info.grant, info.grant_memory()) {
+                (Some(g), Some(mut mem)) => {
+                    assert_eq!(mem.len() as u64, g.bytes);
+                    if self.written.load(Ordering::SeqCst) != g.id {
+                        write_pattern(&mut mem, 5);
+                        self.written.store(g.id, Ordering::SeqCst);
+                    }
+                }
+                _ => {
+                    self.seen_without.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+            std::thread::sleep(Duration::from_millis(1));
+            Ok(Step::Continue)
+        }
+    }
+    let env = Env::new();
+    let mut trainer = env.trainer();
+    lend_host(&trainer);
+    let written = Arc::new(AtomicU64::new(0));
+    let seen_without = Arc::new(AtomicU32::new(0));
+    let (opts, job) = (TaskOptions { mem_need: GRANT, ..env.task_options() }, env.job.clone());
+    let (w2, s2) = (written.clone(), seen_without.clone());
+    let runner = std::thread::spawn(move || {
+        Task::attach(&job, 0, "iterative-grant", &opts)?.run(&mut Writer { written: w2, seen_without: s2 })
+    });
+    assert!(eventually(|| trainer.tasks().unwrap().len() == 1));
+    let id = trainer.tasks().unwrap()[0].id;
+    assert!(bubble_until(&mut trainer, || written.load(Ordering::SeqCst) != 0));
+    let g = trainer.task_grant(id).unwrap().unwrap();
+    assert_eq!(g.id, written.load(Ordering::SeqCst));
+    // SAFETY: the grant stays active until the revoke below.
+    assert!(pattern_ok(unsafe { g.as_host_slice() }.unwrap(), 5));
+    // Between bubbles the runtime unmaps the revoked grant and acks by itself.
+    trainer.revoke(id, Some(Duration::from_secs(30))).unwrap();
+    assert!(eventually(|| trainer.grant_stats().unwrap().revokes_acked == 1));
+    assert!(trainer.task_grant(id).unwrap().is_none());
+    trainer.stop_task(id).unwrap();
+    assert_eq!(runner.join().unwrap().unwrap(), Outcome::Stopped);
+    // A task that needs memory is started only while it holds a grant.
+    assert_eq!(seen_without.load(Ordering::SeqCst), 0);
+    assert!(eventually(|| trainer.grant_stats().unwrap().active == 0));
+    assert_eq!(trainer.grant_stats().unwrap().tasks_killed, 0);
+}
+
+#[test]
+fn set_schedule_accepts_a_1f1b_pipeline_and_names_what_it_rejects() {
+    let env = Env::new();
+    let mut trainer = env.trainer();
+    let mut sc = Schedule {
+        stages: 4,
+        microbatches: 8,
+        stage: 1,
+        fwd: Duration::from_millis(2),
+        bwd: Duration::from_millis(4),
+        ..Default::default()
+    };
+    trainer.set_schedule(&sc).unwrap();
+    sc.stage = 4;
+    let err = trainer.set_schedule(&sc).unwrap_err();
+    assert_eq!(err.status, Status::Invalid);
+    assert!(err.message.contains("stage"), "{err}");
 }

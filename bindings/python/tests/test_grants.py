@@ -1,0 +1,172 @@
+"""Memory grants through the Python binding: the trainer lends host memory, a task (on a thread
+of this process) writes a pattern into its grant and the trainer reads it back at its own
+address of the grant; then revoke and ack."""
+from __future__ import annotations
+
+import struct
+import threading
+
+import pytest
+
+import bubble
+from conftest import Background, bubble_until, eventually
+
+GRANT = 64 * 1024
+LENT = 1 << 20
+
+
+def pattern(seed: int, size: int) -> bytes:
+    return struct.pack(f"<{size // 4}I",
+                       *((seed ^ (i * 2654435761)) & 0xFFFFFFFF for i in range(size // 4)))
+
+
+def only_task(trainer: bubble.Trainer) -> bubble.TaskInfo:
+    assert eventually(lambda: len(trainer.tasks()) == 1)
+    return trainer.tasks()[0]
+
+
+def test_host_grant_written_by_task_is_read_by_trainer_then_revoked_and_acked(job):
+    written, acked, rewritten = [], [], []
+    paused = threading.Event()
+    quit_ = threading.Event()
+
+    def task_side() -> str:
+        with bubble.Task(job, 0, "granted", mem_need=GRANT) as task:
+            start = task.wait_start(timeout=20)
+            assert start is not None, "never started"
+            g = start.grant
+            assert g is not None and g.bytes == GRANT and g.backend is bubble.GrantBackend.HOST
+            again = task.grant()  # the same mapping, and it says whether it is being revoked
+            assert (again.id, again.ptr, again.revoking) == (g.id, g.ptr, False)
+            again.memory[:] = pattern(7, GRANT)
+            written.append(again.id)
+            eventually(lambda: task.should_pause() or quit_.is_set())
+            task.ack_pause()
+            paused.set()
+            with pytest.raises(ValueError):  # the view went with the call that may unmap
+                again.memory[0]
+            # Idle now: wait for the trainer to ask the grant back, then give it.
+            seen: list[bubble.TaskGrant | None] = [None]
+
+            def revoking() -> bool:
+                seen[0] = task.grant()
+                return quit_.is_set() or (seen[0] is not None and seen[0].revoking)
+            assert eventually(revoking) and not quit_.is_set(), "no revoke"
+            assert seen[0].revoke_deadline_ns > bubble.now_ns()
+            task.ack_revoke()
+            assert task.grant() is None, "still mapped after ack_revoke"
+            acked.append(seen[0].id)
+            # The trainer grants again on request: the new grant is mapped on the next look.
+            assert eventually(lambda: quit_.is_set() or (seen.__setitem__(0, task.grant())
+                                                         or seen[0] is not None))
+            assert not quit_.is_set()
+            seen[0].memory[:] = pattern(11, GRANT)
+            rewritten.append(seen[0].id)
+            while not quit_.is_set():
+                try:
+                    task.wait_start(timeout=0.1)
+                except bubble.Stopped:
+                    return "stopped"
+            return "quit"
+
+    with bubble.Trainer(job, 0) as trainer:
+        trainer.lend(LENT)
+        with pytest.raises(bubble.Busy):
+            trainer.lend(LENT)
+        runner = Background(task_side)
+        try:
+            task = only_task(trainer)
+            # auto_grant: the attach with a mem_need is granted without being asked.
+            assert eventually(lambda: trainer.task_grant(task) is not None)
+            assert bubble_until(trainer, lambda: bool(written))
+            g = trainer.task_grant(task)
+            assert g.id == written[0] and g.task_id == task.id
+            assert g.state is bubble.GrantState.ACTIVE
+            assert g.backend is bubble.GrantBackend.HOST
+            assert g.bytes == GRANT and g.mapped
+            # The trainer reads what the task wrote at its own address of the grant.
+            assert g.memory().tobytes() == pattern(7, GRANT)
+            s = trainer.grant_stats()
+            assert s.backend is bubble.GrantBackend.HOST
+            assert (s.capacity, s.active, s.granted_bytes, s.grants_made) == (LENT, 1, GRANT, 1)
+
+            # Revoked once idle: a pending revoke would be acked by the pause's ack already.
+            assert paused.wait(20)
+            trainer.revoke(task, timeout=30)
+            with pytest.raises(bubble.BubbleError):  # already revoking, or already given back
+                trainer.revoke(task)
+            assert eventually(lambda: trainer.grant_stats().revokes_acked == 1)
+            assert eventually(lambda: acked == [g.id])  # the task says so after its ack
+            assert trainer.task_grant(task) is None
+            s = trainer.grant_stats()
+            assert (s.revokes, s.tasks_killed, s.active, s.granted_bytes) == (1, 0, 0, 0)
+            assert s.free_bytes == s.capacity
+
+            again = trainer.grant(task)
+            assert again > g.id
+            with pytest.raises(bubble.Busy):  # one grant per task
+                trainer.grant(task)
+            assert eventually(lambda: rewritten == [again])
+            assert trainer.task_grant(task).memory().tobytes() == pattern(11, GRANT)
+
+            trainer.stop_task(task)
+            assert runner.join_result() == "stopped"
+            # Detaching gave the grant back.
+            assert eventually(lambda: trainer.grant_stats().active == 0)
+            assert trainer.grant_stats().tasks_killed == 0
+        finally:
+            quit_.set()
+            runner.join(20)
+
+
+class Writer(bubble.SideTask):
+    def __init__(self) -> None:
+        self.written = 0
+        self.without_grant = 0
+        self.stale: memoryview | None = None
+
+    def step(self, info: bubble.StepInfo) -> bool:
+        g = info.grant
+        if g is None or g.memory is None or len(g.memory) != g.bytes:
+            self.without_grant += 1
+        elif self.written != g.id:
+            g.memory[:] = pattern(5, g.bytes)
+            self.stale = g.memory
+            self.written = g.id
+        return False
+
+
+def test_side_task_writes_its_grant_in_steps_and_the_runtime_acks_the_revoke(job):
+    side = Writer()
+    with bubble.Trainer(job, 0) as trainer:
+        trainer.lend(LENT)
+
+        def go():
+            with bubble.Task(job, 0, "iterative-grant", mem_need=GRANT) as task:
+                return task.run(side)
+        runner = Background(go)
+        task = only_task(trainer)
+        assert bubble_until(trainer, lambda: side.written != 0)
+        g = trainer.task_grant(task)
+        assert g.id == side.written
+        assert g.memory().tobytes() == pattern(5, GRANT)
+        # A step's view is released when the step returns.
+        with pytest.raises(ValueError):
+            side.stale[0]
+        # Between bubbles the runtime unmaps the revoked grant and acks by itself.
+        trainer.revoke(task, timeout=30)
+        assert eventually(lambda: trainer.grant_stats().revokes_acked == 1)
+        assert trainer.task_grant(task) is None
+        trainer.stop_task(task)
+        assert runner.join_result() is bubble.Outcome.STOPPED
+        # A task that needs memory is started only while it holds a grant.
+        assert side.without_grant == 0
+        assert eventually(lambda: trainer.grant_stats().active == 0)
+
+
+def test_a_device_grant_has_no_host_view():
+    g = bubble.GrantInfo(id=1, task_id=1, state=bubble.GrantState.ACTIVE,
+                         backend=bubble.GrantBackend.CUDA_VMM, mapped=True, bytes=4096,
+                         offset=0, address=1 << 40, deadline_ns=None)
+    with pytest.raises(TypeError, match="device memory"):
+        g.memory()
