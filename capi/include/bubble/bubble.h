@@ -436,11 +436,12 @@ typedef struct bb_grant_stats_t {
 
 BB_API bb_status bb_trainer_grant_stats(bb_trainer_h trainer, bb_grant_stats_t *out);
 
-/* Task side. The runtime maps a grant when it is offered and unmaps it when it is revoked; both
- * happen only inside bb_task_wait_start, bb_task_ack_pause, bb_task_ack_revoke, bb_task_grant
- * and bb_task_detach (and between steps of bb_task_run), so a pointer stays valid until the
- * task's next call of one of those. While a grant is being revoked, bb_task_should_pause returns
- * 1, and the next bb_task_ack_pause unmaps it and acks. */
+/* Task side. The runtime maps a grant when it is offered and unmaps it when it is revoked.
+ * Unmapping happens only inside bb_task_wait_start, bb_task_ack_pause, bb_task_ack_revoke and
+ * bb_task_detach (and between steps of bb_task_run), so a pointer stays valid until the task's
+ * next call of one of those; bb_task_grant only ever maps (it never unmaps the grant the task
+ * holds), so it is safe to call inside a step. While a grant is being revoked,
+ * bb_task_should_pause returns 1, and the next bb_task_ack_pause unmaps it and acks. */
 typedef struct bb_task_grant_t {
   uint32_t size;
   uint32_t backend;  /* bb_grant_backend */
