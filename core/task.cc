@@ -315,6 +315,18 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
       epoch_ = cmd.epoch;
       current_ = cmd;
       stale_slice_ns_ = kFirstStaleSliceNs;
+      if (opts_.wake_mode == BB_WAKE_PREDICTIVE) {
+        // Bubbles that begin later than predicted widen the spin window after the prediction
+        // (up to 8 leads); bubbles caught in it narrow it back towards one lead. The CPU this
+        // costs stays bounded by the window.
+        const uint64_t lead = opts_.wake_lead_ns;
+        if (late_window_ns_ == 0) late_window_ns_ = lead;
+        if (missed_window_)
+          late_window_ns_ = std::min(late_window_ns_ * 2, 8 * lead);
+        else
+          late_window_ns_ -= (late_window_ns_ - std::min(late_window_ns_, lead)) / 8;
+        missed_window_ = false;
+      }
       page_->started_epoch.store(cmd.epoch, std::memory_order_relaxed);
       page_->state.store(uint32_t(shm::TaskRunState::kRunning), std::memory_order_relaxed);
       const uint64_t now = now_ns();
@@ -363,9 +375,13 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until) {
     // through a window around it, and fall back to sleeping when the guess missed.
     const uint64_t next = hub_.bubble()->next_begin_ns.load(std::memory_order_relaxed);
     const uint64_t lead = opts_.wake_lead_ns;
-    if (next != 0 && now + lead >= next && now <= next + lead) {
-      if (shm::spin_until_changed(word, bell, std::min(next + lead - now, until - now)))
+    const uint64_t late = late_window_ns_ ? late_window_ns_ : lead;
+    if (next != 0 && now + lead >= next && now <= next + late) {
+      if (shm::spin_until_changed(word, bell, std::min(next + late - now, until - now)))
         return BB_OK;
+      // The bubble is later than predicted: the futex wake will bring it, and the window
+      // after the prediction widens (see wait_start) so the next late one is still caught.
+      missed_window_ = true;
       spin = 0;
       adapt = false;
     } else if (next > now + lead) {

@@ -78,6 +78,8 @@ class Task {
   shm::Report pending_steps_{};
   uint64_t spin_ns_ = 0;        // adaptive spin before sleeping
   uint64_t stale_slice_ns_ = kFirstStaleSliceNs;  // predictive wake: see wait_for_doorbell
+  uint64_t late_window_ns_ = 0;  // predictive wake: spin this long past the predicted begin
+  bool missed_window_ = false;   // the last spin window ended before the bubble began
   static constexpr uint64_t kFirstStaleSliceNs = 1'000'000;
   bool stopped_ = false;
   bool finished_ = false;
