@@ -23,10 +23,12 @@ TEST_CASE("hostile_task_cannot_crash_stall_or_corrupt_the_trainer") {
   REQUIRE(bb::core::hub_paths(dir.path(), "hostile", 0, &sock, nullptr) == BB_OK);
   Child good({BB_TEST_TASK, "hostile", "0", "good", "iterative", "--step-us", "100"});
   REQUIRE(good.wait_line("ATTACHED") != "");
-  // Under AddressSanitizer the fault must still be a plain SIGSEGV, not a sanitizer report.
+  // Under a sanitizer the fault must still be a plain SIGSEGV, not a sanitizer report.
   setenv("ASAN_OPTIONS", "handle_segv=0", 1);
+  setenv("TSAN_OPTIONS", "handle_segv=0", 1);
   Child evil({BB_HOSTILE_TASK, sock, "1.5"});
   unsetenv("ASAN_OPTIONS");
+  unsetenv("TSAN_OPTIONS");
   REQUIRE(evil.wait_line("ATTACHED") != "");
 
   // The trainer runs bubbles all through the attack. Every call returns at once with BB_OK
