@@ -14,6 +14,7 @@
 #include "shm/segment.h"
 #include "shm/wire.h"
 #include "tests/helpers/proc.h"
+#include "tests/helpers/raw_attach.h"
 
 using bbtest::RuntimeDir;
 
@@ -30,13 +31,8 @@ int listen_at(const std::string& path) {
 }
 
 int connect_to(const std::string& path) {
-  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  sockaddr_un a{};
-  a.sun_family = AF_UNIX;
-  std::snprintf(a.sun_path, sizeof a.sun_path, "%s", path.c_str());
-  REQUIRE(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
-  timeval tv{5, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  const int fd = bbtest::connect_hub(path);
+  REQUIRE(fd >= 0);
   return fd;
 }
 
