@@ -75,6 +75,9 @@ Task::~Task() {
 }
 
 void Task::release() {
+  // Without a trainer there is nothing to run for: should_pause() says so without touching the
+  // (now unmapped) slot.
+  trainer_lost_ = true;
   // The trainer is gone (or we are): its grant goes with it, unacked.
   mapping_.reset();
   grant_id_ = 0;
@@ -187,10 +190,12 @@ bb_status Task::connect() {
   epoch_ = 0;
   report_cached_head_ = 0;
   grant_synced_ = false;  // whatever grant_change says now, look at the grant words once
+  trainer_lost_ = false;
+  next_liveness_check_ns_ = 0;
   return BB_OK;
 }
 
-bool Task::trainer_gone() {
+bool Task::trainer_gone() const {
   if (!sock_) return true;
   if (hub_.stats()->closing.load(std::memory_order_acquire)) return true;
   pollfd p{sock_.get(), POLLIN, 0};
@@ -198,6 +203,14 @@ bool Task::trainer_gone() {
   if (p.revents & (POLLHUP | POLLERR)) return true;
   char c;
   return recv(sock_.get(), &c, 1, MSG_PEEK | MSG_DONTWAIT) == 0;
+}
+
+void Task::check_trainer_while_running() const {
+  if (epoch_ == 0 || trainer_lost_ || !sock_) return;
+  const uint64_t now = now_ns();
+  if (now < next_liveness_check_ns_) return;
+  next_liveness_check_ns_ = now + kLivenessSliceNs;
+  if (trainer_gone()) trainer_lost_ = true;
 }
 
 bb_status Task::reattach() {
@@ -423,6 +436,7 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until) {
 
 bb_status Task::report_step(uint64_t step_ns) {
   if (!sock_) return fail(BB_E_TRAINER_GONE, "the task is not attached (its trainer went away)");
+  check_trainer_while_running();
   ++steps_;
   if (steps_ == 1) {
     est_mean_ = step_ns;
@@ -444,6 +458,7 @@ bb_status Task::report_step(uint64_t step_ns) {
 }
 
 void Task::time_left(uint64_t* left_ns, uint64_t* est_step_ns) const {
+  check_trainer_while_running();
   uint64_t left = 0;
   if (epoch_ != 0 && !should_pause()) {
     if (current_.deadline_ns == 0) {

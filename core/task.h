@@ -28,7 +28,7 @@ class Task {
   // A task holding a grant also pauses when the grant words change (a revoke): the load is of
   // the same cache line as run_epoch.
   bool should_pause() const {
-    return ctl_->run_epoch.load(std::memory_order_acquire) != epoch_ ||
+    return trainer_lost_ || ctl_->run_epoch.load(std::memory_order_acquire) != epoch_ ||
            (grant_id_ != 0 && ctl_->grant_change.load(std::memory_order_relaxed) != grant_seen_);
   }
   bb_status ack_pause();
@@ -43,7 +43,11 @@ class Task {
   bb_status connect();        // one attach attempt
   bb_status reattach();       // after the trainer went away, by option
   void release();             // drop the connection and mappings
-  bool trainer_gone();        // the connection closed or the hub is closing
+  bool trainer_gone() const;  // the connection closed or the hub is closing
+  // While running: a trainer that dies mid-bubble never clears run_epoch, so the calls a running
+  // task makes anyway (report_step, time_left; every step of bb_task_run) look at the connection
+  // every 100 ms and make should_pause() true once it is gone.
+  void check_trainer_while_running() const;
   bb_status wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until);
   void push_report(shm::ReportType type, uint64_t a, uint64_t b, uint64_t ts = 0);
   bool flush_steps();
@@ -79,6 +83,8 @@ class Task {
   uint64_t spin_ns_ = 0;        // adaptive spin before sleeping
   uint64_t stale_slice_ns_ = kFirstStaleSliceNs;  // predictive wake: see wait_for_doorbell
   uint64_t late_window_ns_ = 0;  // predictive wake: spin this long past the predicted begin
+  mutable bool trainer_lost_ = false;           // see check_trainer_while_running
+  mutable uint64_t next_liveness_check_ns_ = 0;
   bool missed_window_ = false;   // the last spin window ended before the bubble began
   static constexpr uint64_t kFirstStaleSliceNs = 1'000'000;
   bool stopped_ = false;

@@ -3,6 +3,7 @@
 // an Error reply and the connection is closed; nothing a client sends can crash the agent.
 #include "agent.capnp.h"
 #include "daemon/agent.h"
+#include "daemon/control_feed.h"
 #include "daemon/frame.h"
 #include "daemon/paths.h"
 #include "daemon/placement.h"
@@ -36,6 +37,8 @@ struct Conn {
   bool closing = false;
   uid_t uid = 0;
   pid_t pid = 0;
+  // Set for a connection without a socket (ControlFeed): replies are appended here.
+  std::vector<uint8_t>* sink = nullptr;
 };
 
 struct WriteReq {
@@ -49,6 +52,7 @@ void close_conn(Conn* c) {
   if (c->closing) return;
   c->closing = true;
   c->agent->clients_.erase(c);
+  if (c->sink) return;  // owned by its ControlFeed
   if (c->timer) {
     uv_timer_stop(c->timer);
     close_and_delete(c->timer);
@@ -60,6 +64,12 @@ void close_conn(Conn* c) {
 
 void send(Conn* c, capnp::MessageBuilder& msg, bool close_after) {
   if (c->closing) return;
+  if (c->sink) {
+    std::vector<uint8_t> bytes = encode_frame(msg);
+    c->sink->insert(c->sink->end(), bytes.begin(), bytes.end());
+    if (close_after) close_conn(c);
+    return;
+  }
   auto* w = new WriteReq;
   w->bytes = encode_frame(msg);
   w->conn = c;
@@ -426,6 +436,35 @@ void on_partial_timeout(uv_timer_t* t) {
              true);
 }
 
+// Answers every complete frame buffered on c; false once c is closing.
+bool process_frames(Conn* c) {
+  for (;;) {
+    std::unique_ptr<capnp::MessageReader> reader;
+    std::string error;
+    FrameReader::Result r = c->frames.next(&reader, &error);
+    if (r == FrameReader::Result::kNeedMore) return true;
+    if (r == FrameReader::Result::kError) {
+      c->agent->count_protocol_error();
+      send_error(c, 0, proto::Error::Code::BAD_FRAME, error, true);
+      return false;
+    }
+    try {
+      handle(c, *reader);
+    } catch (const kj::Exception& e) {
+      c->agent->count_protocol_error();
+      send_error(c, 0, proto::Error::Code::BAD_FRAME,
+                 std::string("malformed request: ") + e.getDescription().cStr(), true);
+      return false;
+    } catch (const std::exception& e) {
+      c->agent->count_protocol_error();
+      send_error(c, 0, proto::Error::Code::INTERNAL, std::string("request failed: ") + e.what(),
+                 true);
+      return false;
+    }
+    if (c->closing) return false;
+  }
+}
+
 void on_read(uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) {
   auto* c = static_cast<Conn*>(s->data);
   if (nread > 0) c->frames.feed(buf->base, static_cast<size_t>(nread));
@@ -443,31 +482,7 @@ void on_read(uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) {
     }
     return;
   }
-  for (;;) {
-    std::unique_ptr<capnp::MessageReader> reader;
-    std::string error;
-    FrameReader::Result r = c->frames.next(&reader, &error);
-    if (r == FrameReader::Result::kNeedMore) break;
-    if (r == FrameReader::Result::kError) {
-      c->agent->count_protocol_error();
-      send_error(c, 0, proto::Error::Code::BAD_FRAME, error, true);
-      return;
-    }
-    try {
-      handle(c, *reader);
-    } catch (const kj::Exception& e) {
-      c->agent->count_protocol_error();
-      send_error(c, 0, proto::Error::Code::BAD_FRAME,
-                 std::string("malformed request: ") + e.getDescription().cStr(), true);
-      return;
-    } catch (const std::exception& e) {
-      c->agent->count_protocol_error();
-      send_error(c, 0, proto::Error::Code::INTERNAL, std::string("request failed: ") + e.what(),
-                 true);
-      return;
-    }
-    if (c->closing) return;
-  }
+  if (!process_frames(c)) return;
   if (c->frames.pending() > 0) {
     if (!c->timer) {
       c->timer = new uv_timer_t;
@@ -533,6 +548,44 @@ void on_connection(uv_stream_t* server, int status) {
 }
 
 }  // namespace
+
+ControlFeed::ControlFeed(Agent* agent) {
+  auto* c = new Conn;
+  c->agent = agent;
+  c->sink = &replies_;
+  c->uid = getuid();
+  c->pid = getpid();
+  agent->clients_.insert(c);
+  conn_ = c;
+}
+
+ControlFeed::~ControlFeed() {
+  auto* c = static_cast<Conn*>(conn_);
+  close_conn(c);
+  delete c;
+}
+
+bool ControlFeed::feed(const uint8_t* data, size_t len) {
+  auto* c = static_cast<Conn*>(conn_);
+  if (c->closing) return false;
+  c->frames.feed(reinterpret_cast<const char*>(data), len);
+  return process_frames(c);
+}
+
+bool ControlFeed::end() {
+  auto* c = static_cast<Conn*>(conn_);
+  if (c->closing) return false;
+  if (c->frames.pending() > 0) {
+    c->agent->count_protocol_error();
+    send_error(c, 0, proto::Error::Code::BAD_FRAME,
+               "truncated frame: the connection ended " + std::to_string(c->frames.pending()) +
+                   " bytes into a frame",
+               true);
+    return false;
+  }
+  close_conn(c);
+  return true;
+}
 
 std::string Agent::start_control() {
   const std::string& path = cfg_.socket_path;

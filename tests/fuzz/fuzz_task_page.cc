@@ -22,9 +22,16 @@ struct World {
   bb_trainer_h trainer = nullptr;
   bbtest::RawAttach task;
   unsigned char* page = nullptr;
+  std::string dir;
+  // libFuzzer ends with exit(): close the hub and remove its directory then.
+  ~World() {
+    bb_trainer_close(trainer);
+    rmdir(dir.c_str());
+  }
   World() {
     char tmpl[] = "/tmp/bbfuzz-XXXXXX";
     if (!mkdtemp(tmpl)) abort();
+    dir = tmpl;
     setenv("BUBBLE_RUNTIME_DIR", tmpl, 1);
     if (bb_trainer_open("fuzz", 0, nullptr, &trainer) != BB_OK) abort();
     std::string sock;
