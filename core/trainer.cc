@@ -91,6 +91,7 @@ struct Trainer::Conn {
 namespace {
 
 constexpr uint64_t kHelloTimeoutNs = 2'000'000'000ull;
+constexpr size_t kMaxPeers = 64;  // connections holding no task slot
 constexpr uint64_t kServiceTickNs = 10'000'000ull;  // report draining while tasks are attached
 constexpr uint64_t kMaxSaneNs = 3600'000'000'000ull;
 
@@ -679,15 +680,20 @@ void Trainer::accept_all() {
     ucred cred{};
     socklen_t len = sizeof cred;
     if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) continue;
-    const uint32_t me = uint32_t(geteuid());
-    if (cred.uid != me && cred.uid != 0 && cred.uid != opts_.allow_uid) {
+    // Peers that hold no slot (saying hello, or observing) are bounded, so a process cannot make
+    // the trainer hold descriptors without end. Tasks are bounded by the slot table.
+    size_t peers = 0;
+    for (const auto& p : conns_) peers += p && p->kind != Conn::kTask;
+    if (peers >= kMaxPeers) {
       auto r = shm::make_msg<shm::AttachReplyMsg>(shm::MsgType::kAttachReply);
-      r.status = BB_E_PERMISSION;
-      std::snprintf(r.error, sizeof r.error, "uid %u may not attach to this hub (owned by uid %u): "
-                    "run the task as the trainer's user", cred.uid, me);
+      r.status = BB_E_FULL;
+      std::snprintf(r.error, sizeof r.error, "the hub has %zu connections that hold no task slot "
+                    "(attaching or observing): close some and retry", peers);
       shm::send_msg(fd, &r, sizeof r, nullptr, 0);
       continue;
     }
+    // The uid is checked when the peer's request has arrived (handle_hello), so the refusal
+    // is read as an answer rather than lost to a connection reset.
     c->uid = cred.uid;
     c->hello_deadline_ns = now_ns() + kHelloTimeoutNs;
     size_t k = 0;
@@ -715,7 +721,20 @@ void Trainer::handle_hello(Conn& c) {
     for (auto& p : conns_)
       if (p.get() == self) p.reset();
   };
+  if (n == -EMSGSIZE) {
+    reply_error(BB_E_INVALID, "the attach message is larger than the hub protocol allows: the "
+                "peer does not speak the libbubble hub protocol");
+    return drop();
+  }
   if (n <= 0) return drop();
+  const uint32_t me = uint32_t(geteuid());
+  if (c.uid != me && c.uid != 0 && c.uid != opts_.allow_uid) {
+    char text[160];
+    std::snprintf(text, sizeof text, "uid %u may not attach to this hub (owned by uid %u): run the "
+                  "task as the trainer's user", c.uid, me);
+    reply_error(BB_E_PERMISSION, text);
+    return drop();
+  }
   shm::MsgHeader h{};
   if (n >= long(sizeof h)) std::memcpy(&h, buf, sizeof h);
   if (h.magic == shm::kWireMagic && h.version != shm::kWireVersion) {

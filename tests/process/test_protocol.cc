@@ -111,7 +111,8 @@ TEST_CASE("trainer_refuses_another_protocol_version_and_malformed_hellos") {
   }
   {
     // Garbage of the right length, then garbage of the wrong length.
-    for (size_t len : {sizeof(bb::shm::AttachTaskMsg), size_t(3)}) {
+    for (size_t len : {sizeof(bb::shm::AttachTaskMsg), size_t(3),
+                       bb::shm::kWireMaxMessage + 100 /* larger than any message */}) {
       const int c = connect_to(sock);
       std::vector<char> junk(len, 'Z');
       REQUIRE(send(c, junk.data(), junk.size(), 0) == ssize_t(len));
