@@ -20,12 +20,14 @@ echo "== tests: release build"
 ((quick)) && exit 0
 
 for preset in asan tsan; do
-  echo "== tests: $preset build (unit and multi-process)"
+  echo "== tests: $preset build (unit, multi-process and security)"
   cmake --preset "$preset" -S "$root" > /dev/null
   cmake --build --preset "$preset" -j "$jobs" --target bubble_unit_tests bubble_process_tests \
-    bb_test_task bb_test_trainer bb_hostile_task bubble_cuda_double bubble_grant_peer
+    bb_test_task bb_test_trainer bb_hostile_task bubble_cuda_double bubble_grant_peer \
+    bubble_security_tests bb_security_probe
   (cd "$root/build/$preset" &&
-     ctest --output-on-failure -j "$jobs" --timeout 900 -R '^(unit|process)/')
+     ctest --output-on-failure -j "$jobs" --timeout 900 -R '^(unit|process|security)/' \
+       -E 'agent_limits')
 done
 
 echo "== fuzzing: ${BUBBLE_FUZZ_SECONDS:-30} s per target"
