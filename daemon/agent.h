@@ -136,6 +136,8 @@ class Agent {
   std::string launch(TaskRow* row, Hub* hub);
   void watch_pidfd(TaskRow* row);
   void terminate(TaskRow* row, const std::string& why);
+  // Kills what is left of a submitted task's process group once its wrapper is gone.
+  void kill_orphans(const TaskRow& row);
   void signal_task(const TaskRow& row, int sig);
   void record(const TaskRow* row, pid_t pid, const std::string& hub, const std::string& action,
               const std::string& detail);

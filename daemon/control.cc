@@ -28,6 +28,17 @@ namespace {
 constexpr size_t kMaxClients = 128;
 constexpr uint64_t kPartialFrameTimeoutMs = 10'000;
 
+// Bounds on one submission, so that every record stays small next to the frame limit and a
+// `list` of many records still fits one reply.
+constexpr size_t kMaxArgs = 256;
+constexpr size_t kMaxEnv = 256;
+constexpr size_t kMaxEntryBytes = 4 << 10;
+constexpr size_t kMaxSpecBytes = 64 << 10;
+// A `list` reply carries full argv/env up to this many bytes of them; later records keep only
+// their command (argv[0]) and say so in their message. Rows stop before the frame limit.
+constexpr size_t kListSpecBudget = 4 << 20;
+constexpr size_t kListReplyBudget = 12 << 20;
+
 struct Conn {
   uv_pipe_t pipe;
   Agent* agent = nullptr;
@@ -123,8 +134,34 @@ bool printable(const std::string& s) {
   });
 }
 
+std::string too_big(const char* what, size_t have, size_t limit, const char* unit) {
+  return std::string("the task's ") + what + " has " + std::to_string(have) + " " + unit +
+         ", more than the limit of " + std::to_string(limit) +
+         ": pass large inputs in a file or through the task's working directory instead";
+}
+
+// Checks the sizes before anything is copied: a frame may hold millions of tiny entries.
+std::string check_sizes(proto::TaskSpec::Reader r) {
+  auto argv = r.getArgv();
+  auto env = r.getEnv();
+  if (argv.size() > kMaxArgs) return too_big("argv", argv.size(), kMaxArgs, "arguments");
+  if (env.size() > kMaxEnv) return too_big("env", env.size(), kMaxEnv, "entries");
+  size_t total = 0;
+  for (auto a : argv) {
+    if (a.size() > kMaxEntryBytes) return too_big("argv entry", a.size(), kMaxEntryBytes, "bytes");
+    total += a.size();
+  }
+  for (auto e : env) {
+    if (e.size() > kMaxEntryBytes) return too_big("env entry", e.size(), kMaxEntryBytes, "bytes");
+    total += e.size();
+  }
+  if (total > kMaxSpecBytes) return too_big("argv and env together", total, kMaxSpecBytes, "bytes");
+  return "";
+}
+
 // Checks a submission. "" or what is wrong and how to fix it.
 std::string read_spec(proto::TaskSpec::Reader r, TaskSpec* s) {
+  if (std::string err = check_sizes(r); !err.empty()) return err;
   for (auto a : r.getArgv()) s->argv.push_back(text(a));
   if (s->argv.empty() || s->argv[0].empty()) {
     return "the task has no command: give it after `--`, e.g. `bubblectl submit -- ./task`";
@@ -156,8 +193,9 @@ std::string read_spec(proto::TaskSpec::Reader r, TaskSpec* s) {
   if (s->hub.empty()) s->hub = "auto";
   std::string job;
   uint32_t rank;
-  if (s->hub != "auto" && !parse_hub_name(s->hub, &job, &rank)) {
-    return "hub \"" + s->hub + "\" is neither `auto` nor JOB:RANK (e.g. myjob:0)";
+  std::string why;
+  if (s->hub != "auto" && !parse_hub_name(s->hub, &job, &rank, &why)) {
+    return "hub \"" + s->hub + "\" is neither `auto` nor JOB:RANK (e.g. myjob:0): " + why;
   }
   s->gpu = r.getGpu();
   if (s->gpu < -1) return "GPU index " + std::to_string(s->gpu) + " is negative";
@@ -191,6 +229,67 @@ void fill_record(proto::TaskRecord::Builder b, const TaskRow& r) {
   b.setMessage(r.message);
   b.setSteps(r.steps);
   b.setNsInBubbles(r.ns_in_bubbles);
+}
+
+// Roughly what a record costs on the wire: texts are padded to words and each has a pointer.
+size_t text_cost(const std::string& t) { return (t.size() + 8) / 8 * 8 + 8; }
+
+size_t spec_cost(const TaskSpec& s) {
+  size_t n = 0;
+  for (const auto& a : s.argv) n += text_cost(a);
+  for (const auto& e : s.env) n += text_cost(e);
+  return n;
+}
+
+size_t record_cost(const TaskRow& r) {
+  return 256 + spec_cost(r.spec) + text_cost(r.spec.name) + text_cost(r.spec.cwd) +
+         text_cost(r.spec.hub) + text_cost(r.spec.mps_mem_limit) + text_cost(r.state) +
+         text_cost(r.origin) + text_cost(r.hub) + text_cost(r.message);
+}
+
+// Keeps a `list` reply well inside one frame whatever was submitted before the size bounds or
+// however long the history: past a budget, records lose their arguments and environment (their
+// message says so), and past a larger one the oldest rows are left out.
+void fit_list(std::vector<TaskRow>* rows) {
+  size_t specs = 0, total = 0;
+  for (auto& r : *rows) specs += spec_cost(r.spec);
+  if (specs > kListSpecBudget) {
+    // The newest records (highest ids) keep their full spec first.
+    std::vector<TaskRow*> order;
+    for (auto& r : *rows) order.push_back(&r);
+    std::sort(order.begin(), order.end(), [](auto* x, auto* y) { return x->id > y->id; });
+    specs = 0;
+    for (TaskRow* r : order) {
+      size_t cost = spec_cost(r->spec);
+      if (specs + cost <= kListSpecBudget) {
+        specs += cost;
+        continue;
+      }
+      if (r->spec.argv.size() > 1) r->spec.argv.resize(1);
+      if (!r->spec.argv.empty() && r->spec.argv[0].size() > kMaxEntryBytes) {
+        r->spec.argv[0].resize(kMaxEntryBytes);
+      }
+      r->spec.env.clear();
+      r->message += " [arguments and environment left out: the list reply is at its size limit]";
+    }
+  }
+  for (auto& r : *rows) total += record_cost(r);
+  if (total <= kListReplyBudget) return;
+  std::vector<size_t> idx(rows->size());
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+  std::sort(idx.begin(), idx.end(), [&](size_t x, size_t y) { return (*rows)[x].id > (*rows)[y].id; });
+  std::vector<bool> keep(rows->size(), false);
+  total = 0;
+  for (size_t i : idx) {
+    total += record_cost((*rows)[i]);
+    if (total > kListReplyBudget) break;
+    keep[i] = true;
+  }
+  std::vector<TaskRow> kept;
+  for (size_t i = 0; i < rows->size(); ++i) {
+    if (keep[i]) kept.push_back(std::move((*rows)[i]));
+  }
+  rows->swap(kept);
 }
 
 std::string read_tail(const std::string& path, uint32_t max, bool* truncated, std::string* err) {
@@ -266,6 +365,7 @@ void handle(Conn* c, capnp::MessageReader& msg) {
     case proto::Request::LIST: {
       a->refresh_all();
       std::vector<TaskRow> rows = a->tasks(req.getList().getAll());
+      fit_list(&rows);
       auto list = resp.initList(static_cast<unsigned>(rows.size()));
       for (size_t i = 0; i < rows.size(); ++i) fill_record(list[static_cast<unsigned>(i)], rows[i]);
       break;

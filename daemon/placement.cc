@@ -1,5 +1,8 @@
 #include "daemon/placement.h"
 
+#include "core/error.h"
+#include "core/paths.h"
+
 #include <cstdlib>
 
 namespace bb::daemon {
@@ -43,17 +46,30 @@ bool fits(const TaskSpec& spec, const HubCandidate& h, uint64_t* left, std::stri
 }
 }  // namespace
 
-bool parse_hub_name(const std::string& s, std::string* job, uint32_t* rank) {
+bool parse_hub_name(const std::string& s, std::string* job, uint32_t* rank, std::string* why) {
+  auto refuse = [why](const std::string& reason) {
+    if (why) *why = reason;
+    return false;
+  };
   size_t colon = s.rfind(':');
-  if (colon == std::string::npos || colon == 0 || colon + 1 >= s.size()) return false;
+  if (colon == std::string::npos || colon == 0 || colon + 1 >= s.size()) {
+    return refuse("it has no JOB part or no RANK after the last ':'");
+  }
   std::string r = s.substr(colon + 1);
   for (char c : r) {
-    if (c < '0' || c > '9') return false;
+    if (c < '0' || c > '9') return refuse("rank \"" + r + "\" is not a decimal number");
   }
-  if (r.size() > 5) return false;
+  // Longer than any valid rank: refused before strtoul could wrap.
+  if (r.size() > 5) return refuse("rank " + r + " is out of range 0..65535");
   unsigned long v = std::strtoul(r.c_str(), nullptr, 10);
-  if (v > 65535) return false;
-  *job = s.substr(0, colon);
+  if (bb::core::check_rank(static_cast<uint32_t>(v)) != BB_OK) {
+    return refuse(bb::core::last_error());
+  }
+  // The same rules as the library's, so the agent never waits for a hub that cannot exist.
+  std::string j = s.substr(0, colon);
+  if (bb::core::check_job_id(j.c_str()) != BB_OK) return refuse(bb::core::last_error());
+  bb::core::clear_error();
+  *job = std::move(j);
   *rank = static_cast<uint32_t>(v);
   return true;
 }

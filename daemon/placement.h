@@ -43,7 +43,9 @@ struct PlaceResult {
 
 PlaceResult place_task(const TaskSpec& spec, const std::vector<HubCandidate>& hubs);
 
-// Parses "JOB:RANK". False if malformed.
-bool parse_hub_name(const std::string& s, std::string* job, uint32_t* rank);
+// Parses "JOB:RANK", holding JOB and RANK to the library's rules (bb::core::check_job_id,
+// check_rank). False if malformed, with the reason in *why when given.
+bool parse_hub_name(const std::string& s, std::string* job, uint32_t* rank,
+                    std::string* why = nullptr);
 
 }  // namespace bb::daemon

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -69,12 +70,23 @@ bool read_exit_file(const std::string& path, ExitStatus* out) {
 }
 
 void run_exec_wrapper(const std::string& exit_file, char** argv) {
+  const pid_t wrapper = getpid();
   pid_t child = fork();
   if (child < 0) {
     fprintf(stderr, "bubbled: cannot start the task: fork: %s\n", strerror(errno));
     _exit(127);
   }
   if (child == 0) {
+    // The task must not outlive its wrapper: `bubblectl list` shows the wrapper's pid, and a
+    // SIGKILL of that pid alone would otherwise leave the task running unsupervised. The
+    // setting survives exec. If the wrapper died before prctl took effect, nobody is left to
+    // deliver the signal, so check the parent after setting it.
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL) != 0) {
+      fprintf(stderr, "bubbled: cannot start the task: prctl(PR_SET_PDEATHSIG): %s\n",
+              strerror(errno));
+      _exit(127);
+    }
+    if (getppid() != wrapper) _exit(127);
     execvp(argv[0], argv);
     fprintf(stderr, "bubbled: cannot run %s: %s (check the command and PATH)\n", argv[0],
             strerror(errno));

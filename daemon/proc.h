@@ -38,7 +38,9 @@ bool read_exit_file(const std::string& path, ExitStatus* out);
 // The launch wrapper: `bubbled --exec-task EXITFILE -- PROGRAM ARGS...`. Runs the program as its
 // child and writes its exit status to EXITFILE (atomically), so the status survives an agent
 // that was down when the task ended. Ignores terminal signals itself: the agent signals the
-// whole process group, and the wrapper must outlive its child to record it. Never returns.
+// whole process group, and the wrapper must outlive its child to record it. The child gets
+// PR_SET_PDEATHSIG(SIGKILL), so killing the wrapper alone (the pid `bubblectl list` shows) ends
+// the task too instead of orphaning it. Never returns.
 [[noreturn]] void run_exec_wrapper(const std::string& exit_file, char** argv);
 
 }  // namespace bb::daemon

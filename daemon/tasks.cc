@@ -316,7 +316,11 @@ void Agent::on_task_exit(LiveTask* lt, ExitStatus st) {
   TaskRow& row = it->second;
   ExitStatus file;
   std::string exit_file = cfg_.state_dir + "/run/" + std::to_string(row.id) + ".exit";
-  if (read_exit_file(exit_file, &file)) st = file;  // the task's own status, not the wrapper's
+  if (read_exit_file(exit_file, &file)) {
+    st = file;  // the task's own status, not the wrapper's
+  } else {
+    kill_orphans(row);
+  }
   unlink(exit_file.c_str());
   bool killed = lt->killed_by_agent, cancel = lt->cancel, replace = lt->replace;
   release_live(row.id);
@@ -359,6 +363,17 @@ void Agent::on_task_exit(LiveTask* lt, ExitStatus st) {
   }
   schedule();
   update_timers();
+}
+
+void Agent::kill_orphans(const TaskRow& row) {
+  // The wrapper died without recording a status, so it was killed, not its task: the task's
+  // direct child has PR_SET_PDEATHSIG, and this takes whatever else is left in the group, which
+  // would otherwise run on unsupervised. A group id is not reused while the group has members.
+  if (row.origin == "attached" || row.pid <= 0) return;
+  if (kill(-row.pid, SIGKILL) == 0) {
+    agent_log("task #%lld: its launch wrapper died without a status; killed what was left of "
+              "its process group", static_cast<long long>(row.id));
+  }
 }
 
 void Agent::signal_task(const TaskRow& row, int sig) {
@@ -552,6 +567,7 @@ void Agent::settle_dead_tasks() {
     ExitStatus st;
     std::string exit_file = cfg_.state_dir + "/run/" + std::to_string(id) + ".exit";
     if (!read_exit_file(exit_file, &st)) {
+      kill_orphans(row);
       finish_row(&row, "lost", "ended while the agent was down, with no exit status recorded");
       continue;
     }

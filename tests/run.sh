@@ -32,6 +32,6 @@ done
 
 echo "== fuzzing: ${BUBBLE_FUZZ_SECONDS:-30} s per target"
 cmake --preset fuzz -S "$root" -DBUBBLE_FUZZ_SECONDS="${BUBBLE_FUZZ_SECONDS:-30}" > /dev/null
-cmake --build --preset fuzz -j "$jobs"
+cmake --build --preset fuzz -j "$jobs" --target fuzz_hub_header fuzz_task_page fuzz_control_frame
 (cd "$root/build/fuzz" && ctest --output-on-failure -j "$jobs" -L fuzz)
 echo "== all test stages passed"

@@ -2,6 +2,7 @@
 and timelines; errors that name the fix."""
 import json
 import os
+import signal
 import subprocess
 
 from conftest import BUBBLECTL, TASK_GOOD, wait_until
@@ -127,3 +128,40 @@ def test_errors_name_the_problem_and_the_fix(env):
     assert second.wait(timeout=30) == 1
     with open(os.path.join(env.root, "agent2.log")) as f:
         assert "another bubbled uses the state directory" in f.read()
+
+
+def _children(pid):
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def test_killing_the_listed_pid_alone_ends_the_task_and_records_it_once(env):
+    """The pid `bubblectl list` shows is the launch wrapper's. Killing it alone must not orphan
+    the task: the task (and anything it started) dies too, is recorded once, and no second,
+    `attached` row appears for it."""
+    env.trainer("j", 0)
+    env.start_agent()
+    tid = env.submit("/bin/sh", "-c", f"sleep 300 & exec {TASK_GOOD} 0")
+    t = env.wait_state(tid, "running")
+    wrapper = t["pid"]
+    task = wait_until("the task under its wrapper", lambda: _children(wrapper))[0]
+    grandchild = wait_until("the task's own child", lambda: _children(task))[0]
+    wait_until("the task to attach", lambda: env.hub("j:0")["tasks"] == 1)
+    os.kill(wrapper, signal.SIGKILL)
+    wait_until("the task to die with its wrapper", lambda: _gone(task))
+    wait_until("what the task started to die too", lambda: _gone(grandchild))
+    t = env.wait_state(tid, ("failed", "lost", "killed"))
+    assert t["pid"] == wrapper, t
+    rows = env.tasks()
+    assert len(rows) == 1, rows  # not re-adopted as a second, attached row

@@ -125,6 +125,16 @@ TEST_CASE("hub_names_parse") {
   CHECK_FALSE(parse_hub_name(":1", &job, &rank));
   CHECK_FALSE(parse_hub_name("a:70000", &job, &rank));
   CHECK_FALSE(parse_hub_name("a:1x", &job, &rank));
+  // The job is held to the library's job id rules, and the reason is the library's sentence.
+  std::string why;
+  CHECK_FALSE(parse_hub_name("../../etc:0", &job, &rank, &why));
+  CHECK(why.find("must not start with '.'") != std::string::npos);
+  CHECK_FALSE(parse_hub_name("a/b:0", &job, &rank, &why));
+  CHECK(why.find("use only letters, digits") != std::string::npos);
+  CHECK_FALSE(parse_hub_name(std::string(48, 'j') + ":0", &job, &rank, &why));
+  CHECK(why.find("characters long") != std::string::npos);
+  CHECK_FALSE(parse_hub_name("a:70000", &job, &rank, &why));
+  CHECK(why.find("out of range 0..65535") != std::string::npos);
 }
 
 TEST_CASE("frames_roundtrip_split_anywhere") {

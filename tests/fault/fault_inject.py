@@ -584,6 +584,9 @@ def check_recorded(agent, submitted, what):
         check(tid in rows, f"{what}: submitted task {tid} is missing from `bubblectl list --all`")
         st = rows[tid]["state"]
         check(st in LIVE_STATES | FINAL_STATES, f"{what}: task {tid} is in unknown state {st!r}")
+    # Every task here is submitted: an `attached` row is a task that outlived its wrapper.
+    extra = {t: (r["name"], r["pid"]) for t, r in rows.items() if r["origin"] == "attached"}
+    check(not extra, f"{what}: tasks orphaned by their launch wrapper were adopted again: {extra}")
     return rows
 
 
@@ -623,10 +626,13 @@ def run_agent_rounds(rng, rounds, soak_until, totals):
                 pids = [r["pid"] for r in rows.values() if r["state"] == "running" and r["pid"] > 0]
                 if pids:
                     # The recorded pid is the launch wrapper's, leader of the task's process
-                    # group: a crash takes the group (killing the wrapper alone orphans the task).
+                    # group: a crash takes the group, a user may kill the listed pid alone (the
+                    # task must then die with its wrapper, not run on orphaned).
+                    alone = rng.random() < 0.5
                     try:
-                        os.killpg(rng.choice(pids), signal.SIGKILL)
-                        totals.add("agent tasks SIGKILLed from outside")
+                        (os.kill if alone else os.killpg)(rng.choice(pids), signal.SIGKILL)
+                        totals.add("agent tasks SIGKILLed from outside"
+                                   + (" (the listed pid alone)" if alone else " (the group)"))
                     except ProcessLookupError:
                         pass
             check_recorded(agent, submitted, what)

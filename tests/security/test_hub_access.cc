@@ -280,7 +280,9 @@ TEST_CASE("a_peer_cannot_hold_unbounded_connections_to_a_hub") {
   for (int i = 0; i < kFlood; ++i) {
     const int c = connect_hub(hub.sock);
     auto m = bb::shm::make_msg<bb::shm::AttachObserverMsg>(bb::shm::MsgType::kAttachObserver);
-    REQUIRE(bb::shm::send_msg(c, &m, sizeof m, nullptr, 0) == 0);
+    // Past the cap the trainer answers and closes at once, so the send may find it closed.
+    const int rc = bb::shm::send_msg(c, &m, sizeof m, nullptr, 0);
+    REQUIRE((rc == 0 || rc == EPIPE || rc == ECONNRESET));
     conns.push_back(c);
   }
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
