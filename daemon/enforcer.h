@@ -27,6 +27,7 @@ struct EnforceState {
   bool continued = false;        // SIGCONTed, ack still outstanding
   uint64_t cont_seq = 0;         // the bubble it was continued in
   uint32_t violations = 0;
+  bool marked_bad = false;       // the trainer found its slot corrupt; recorded once
 };
 
 enum class Verdict { kNone, kStop, kContinue, kKill };

@@ -303,6 +303,15 @@ void Agent::enforce_hub(Hub* hub, uint64_t now) {
     if (rit == tasks_.end() || state_is_final(rit->second.state)) continue;
     TaskRow& row = rit->second;
     EnforceState& st = hub->enforce[t.id];
+    if (t.bad && !st.marked_bad) {
+      // The trainer validates every word a task writes and stops starting one that corrupted
+      // its slot; the agent records that, once, and shows it on the task.
+      st.marked_bad = true;
+      row.message = "marked bad: it corrupted its slot, and its trainer no longer starts it";
+      record(&row, row.origin == "attached" ? row.pid : t.pid, hub->name, "bad",
+             "the trainer found the task's slot corrupt (it wrote outside the protocol)");
+      save(row);
+    }
     Verdict v = enforce_step(cfg_.enforce, &st, moment, {t.pause_requested_ns, t.pause_acked_ns, t.started},
                              now);
     if (v == Verdict::kNone) continue;

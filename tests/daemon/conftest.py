@@ -16,6 +16,7 @@ BUBBLECTL = os.environ.get("BUBBLECTL", "")
 TRAINER_SIM = os.environ.get("TRAINER_SIM", "")
 TASK_GOOD = os.environ.get("TASK_GOOD", "")
 TASK_ROGUE = os.environ.get("TASK_ROGUE", "")
+HOSTILE_TASK = os.environ.get("HOSTILE_TASK", "")
 AGENT_SCHEMA = os.environ.get("AGENT_SCHEMA", "")
 
 for _name, _path in [("BUBBLED", BUBBLED), ("BUBBLECTL", BUBBLECTL), ("TRAINER_SIM", TRAINER_SIM),

@@ -1,6 +1,9 @@
 """A task that ignores pauses is stopped with SIGSTOP, continued at its hub's next bubble, and
 killed after the configured number of violations; every action is recorded and shown."""
-from conftest import TASK_GOOD, TASK_ROGUE
+import os
+import signal
+
+from conftest import HOSTILE_TASK, TASK_GOOD, TASK_ROGUE, wait_until
 
 
 def test_task_ignoring_pause_is_stopped_then_killed(env):
@@ -24,3 +27,23 @@ def test_well_behaved_task_is_never_stopped(env):
     t = env.wait_state(tid, ("finished", "failed", "killed"))
     assert t["state"] == "finished" and t["violations"] == 0
     assert "no enforcement actions" in env.ctl("actions").stdout
+
+
+def test_hostile_task_is_marked_bad_and_the_trainer_goes_on(env):
+    """A task that scribbles over its whole slot is found out by the trainer's validation; the
+    agent adopts it, records it as bad once and shows it, and the hub keeps its bubbles."""
+    env.trainer("j", 0)
+    env.start_agent("--grace-ms", "500")
+    sock = os.path.join(env.runtime, "j.0.sock")
+    evil = env.spawn([HOSTILE_TASK, sock, "3"], "hostile.log")
+    wait_until("the hostile task marked bad",
+               lambda: any(line.split()[4:5] == ["bad"]
+                           for line in env.ctl("actions").stdout.splitlines()[1:]))
+    acts = [line.split() for line in env.ctl("actions").stdout.splitlines()[1:]]
+    bad = [a for a in acts if a[4] == "bad"]
+    assert len(bad) == 1, acts
+    assert "marked bad" in env.ctl("list", "--all").stdout
+    before = env.hub("j:0")["bubbles"]
+    wait_until("bubbles go on", lambda: env.hub("j:0")["bubbles"] > before)
+    evil.wait(timeout=30)
+    assert evil.returncode == -signal.SIGSEGV  # its write into the trainer's pages faulted
