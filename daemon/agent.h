@@ -128,6 +128,8 @@ class Agent {
   void reconcile_tasks(Hub* hub);
   void enforce_hub(Hub* hub, uint64_t now);
   void close_hub_handles(Hub* hub);
+  // Whether a task seen on a hub but not known to us should be adopted (see hubs.cc).
+  bool adoptable(pid_t pid) const;
   int64_t match_task(Hub* hub, const core::TaskSnapshot& t);
 
   // tasks.cc

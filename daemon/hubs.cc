@@ -223,6 +223,20 @@ int64_t Agent::match_task(Hub* hub, const core::TaskSnapshot& t) {
   return 0;
 }
 
+bool Agent::adoptable(pid_t pid) const {
+  ProcStat ps;
+  // Dead (or dying) already: the slot is one the trainer has not reclaimed yet.
+  if (!read_proc_stat(pid, &ps) || ps.state == 'Z' || ps.state == 'X') return false;
+  // In the process group of a task we launched whose wrapper ended within the last minute: it
+  // is being taken down with its group (the wrapper's death signal), not a new task.
+  const int64_t now = wall_ms();
+  for (const auto& [id, row] : tasks_)
+    if (row.origin != "attached" && row.pid > 0 && ps.pgid == row.pid &&
+        (!state_is_final(row.state) || now - row.ended_at < 60'000))
+      return false;
+  return true;
+}
+
 void Agent::reconcile_tasks(Hub* hub) {
   std::set<uint64_t> present;
   for (const core::TaskSnapshot& t : hub->snap.tasks) {
@@ -239,6 +253,7 @@ void Agent::reconcile_tasks(Hub* hub) {
       rid = it->second;
     } else {
       rid = match_task(hub, t);
+      if (rid == 0 && !adoptable(t.pid)) continue;  // looked at again in the next snapshot
       if (rid == 0) {
         // Started outside the agent: adopt it so it is shown, counted and enforced.
         TaskRow row;
