@@ -20,6 +20,7 @@
 #include "shm/wire.h"
 #include "tests/cuda_double/cuda_double.h"
 #include "tests/helpers/proc.h"
+#include "tests/helpers/trainer_fixture.h"
 #include "tests/helpers/raw_attach.h"
 
 using bbtest::Child;
@@ -80,17 +81,9 @@ struct ScopedEnv {
   }
 };
 
-struct Trainer {
-  bb_trainer_h h = nullptr;
-  explicit Trainer(const char* job, uint32_t max_running = 1) {
-    bb_trainer_options_t o;
-    bb_trainer_options_init(&o);
-    o.max_running = max_running;
-    const bb_status st = bb_trainer_open(job, 0, &o, &h);
-    INFO(bb_last_error());
-    REQUIRE(st == BB_OK);
-  }
-  ~Trainer() { bb_trainer_close(h); }
+struct Trainer : bbtest::TrainerFixture {
+  explicit Trainer(const char* job, uint32_t max_running = 1)
+      : TrainerFixture(job, 0, 64, max_running) {}
   void lend(bb_grant_backend backend, uint64_t bytes) {
     bb_lend_options_t lo;
     bb_lend_options_init(&lo);
@@ -99,11 +92,6 @@ struct Trainer {
     const bb_status st = bb_trainer_lend(h, &lo);
     INFO(bb_last_error());
     REQUIRE(st == BB_OK);
-  }
-  bb_trainer_stats_t stats() const {
-    bb_trainer_stats_t s{sizeof s};
-    bb_trainer_stats(h, &s);
-    return s;
   }
   bb_grant_stats_t grants() const {
     bb_grant_stats_t s{sizeof s};
@@ -116,39 +104,6 @@ struct Trainer {
     INFO(bb_last_error());
     REQUIRE(st == BB_OK);
     return g;
-  }
-  std::vector<bb_task_info_t> tasks() const {
-    std::vector<bb_task_info_t> v(16);
-    for (auto& t : v) t.size = sizeof t;
-    size_t n = 0;
-    bb_trainer_tasks(h, v.data(), v.size(), &n);
-    v.resize(std::min<size_t>(n, 16));
-    return v;
-  }
-  // The id of the attached task of that name, waiting for its attach to be published (the task
-  // may print ATTACHED a moment before the trainer lists it).
-  uint64_t task_id(const char* name) const {
-    uint64_t id = 0;
-    eventually([&] {
-      for (auto& t : tasks())
-        if (std::string(t.name) == name) id = t.id;
-      return id != 0;
-    });
-    return id;
-  }
-  void bubble(uint64_t len_us = 2000, uint64_t gap_us = 500) {
-    CHECK(bb_bubble_begin(h, len_us * 1000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
-    std::this_thread::sleep_for(std::chrono::microseconds(len_us));
-    CHECK(bb_bubble_end(h) == BB_OK);
-    std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
-  }
-  template <typename F>
-  bool bubbles_until(F&& cond, int max_bubbles = 4000) {
-    for (int i = 0; i < max_bubbles; ++i) {
-      if (cond()) return true;
-      bubble();
-    }
-    return cond();
   }
   // Runs bubbles until the task prints its GRANT line; returns the grant id it names (0: none).
   uint64_t until_granted(Child& task) {

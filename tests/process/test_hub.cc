@@ -9,6 +9,7 @@
 
 #include "core/observer.h"
 #include "tests/helpers/proc.h"
+#include "tests/helpers/trainer_fixture.h"
 
 using bbtest::Child;
 using bbtest::RuntimeDir;
@@ -19,49 +20,7 @@ namespace {
 std::string task_bin() { return BB_TEST_TASK; }
 std::string trainer_bin() { return BB_TEST_TRAINER; }
 
-struct Trainer {
-  bb_trainer_h h = nullptr;
-  explicit Trainer(const char* job, uint32_t rank = 0, uint32_t max_slots = 64,
-                   uint32_t max_running = 1) {
-    bb_trainer_options_t o;
-    bb_trainer_options_init(&o);
-    o.max_slots = max_slots;
-    o.max_running = max_running;
-    const bb_status st = bb_trainer_open(job, rank, &o, &h);
-    INFO(bb_last_error());
-    REQUIRE(st == BB_OK);
-  }
-  ~Trainer() { bb_trainer_close(h); }
-  bb_trainer_stats_t stats() const {
-    bb_trainer_stats_t s{sizeof s};
-    bb_trainer_stats(h, &s);
-    return s;
-  }
-  std::vector<bb_task_info_t> tasks() const {
-    std::vector<bb_task_info_t> v(64);
-    for (auto& t : v) t.size = sizeof t;
-    size_t n = 0;
-    bb_trainer_tasks(h, v.data(), v.size(), &n);
-    v.resize(std::min<size_t>(n, 64));
-    return v;
-  }
-  // One bubble of `len_us` (the sleep stands for the GPU computing elsewhere), then a gap.
-  void bubble(uint64_t len_us = 2000, uint64_t gap_us = 500, uint64_t free_mem = BB_MEM_UNKNOWN) {
-    CHECK(bb_bubble_begin(h, len_us * 1000, free_mem, BB_BUBBLE_STEADY) == BB_OK);
-    std::this_thread::sleep_for(std::chrono::microseconds(len_us));
-    CHECK(bb_bubble_end(h) == BB_OK);
-    std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
-  }
-  // Runs bubbles until cond holds (or the limit), returning whether it held.
-  template <typename F>
-  bool bubbles_until(F&& cond, int max_bubbles = 4000) {
-    for (int i = 0; i < max_bubbles; ++i) {
-      if (cond()) return true;
-      bubble();
-    }
-    return cond();
-  }
-};
+using Trainer = bbtest::TrainerFixture;
 
 std::vector<std::string> task_args(const std::string& job, const std::string& name,
                                    const std::string& mode, std::vector<std::string> extra = {}) {
