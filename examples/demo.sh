@@ -49,17 +49,17 @@ for ((r = 0; r < stages; r++)); do
   pids+=($!)
 done
 # Wait for the hubs, then attach an elastic PageRank task to each (it shrinks its last step of a
-# bubble to the time left). Stage 0 gets a second, lower-priority task, which runs in the bubbles
-# the first is not ready for. (Side tasks would use the GPU; here they use CPU cores, so the demo
+# bubble to the time left). Stage 0 gets a second task of the same priority: the two take turns
+# (round-robin among equals). (Side tasks would use the GPU; here they use CPU cores, so the demo
 # keeps their number near what the machine's cores can run.)
 for ((r = 0; r < stages; r++)); do
   for _ in $(seq 100); do [ -S "$BUBBLE_RUNTIME_DIR/demo.$r.sock" ] && break; sleep 0.05; done
   "$bin/examples/c_task/c_task" --job demo --rank "$r" --name "pagerank-$r" --elastic \
-    --chunk 20000 --prio 1 > "$run/task$r.out" 2>&1 &
+    --chunk 20000 > "$run/task$r.out" 2>&1 &
   pids+=($!)
 done
-"$bin/examples/c_task/c_task" --job demo --rank 0 --name "pagerank-low" --nodes 50000 \
-  --chunk 10000 > "$run/task0.low.out" 2>&1 &
+"$bin/examples/c_task/c_task" --job demo --rank 0 --name "pagerank-small" --nodes 50000 \
+  --chunk 10000 > "$run/task0.small.out" 2>&1 &
 pids+=($!)
 
 start=$(date +%s)
