@@ -5,6 +5,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <map>
@@ -202,39 +203,77 @@ HubSnapshot HubObserver::snapshot() const {
   return s;
 }
 
-size_t HubObserver::read_events(uint64_t* cursor, Event* out, size_t cap, uint64_t* lost) const {
+namespace {
+
+enum class Peek { kGot, kNotYet, kOverwritten };
+
+// Copies entry `at` of a stream, checking its commit word before and after the copy.
+Peek peek_event(const shm::HubView& hub, shm::EventStream stream, uint64_t at, Event* ev) {
+  const uint32_t capacity = hub.header()->event_capacity;
+  const shm::EventEntry& e = hub.event_entries(stream)[at & (capacity - 1)];
+  const uint32_t want = uint32_t(at + 1);
+  const uint32_t c0 = e.commit.load(std::memory_order_acquire);
+  if (c0 != want) {
+    // 0: the writer is rewriting it a lap later; a later index: rewritten already.
+    if (c0 == 0 || int32_t(c0 - want) > 0) return Peek::kOverwritten;
+    return Peek::kNotYet;
+  }
+  ev->type = EventType(e.kind.load(std::memory_order_relaxed));
+  ev->slot = e.slot.load(std::memory_order_relaxed);
+  ev->ts_ns = e.ts_ns.load(std::memory_order_relaxed);
+  ev->a = e.a.load(std::memory_order_relaxed);
+  ev->b = e.b.load(std::memory_order_relaxed);
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return e.commit.load(std::memory_order_relaxed) == c0 ? Peek::kGot : Peek::kOverwritten;
+}
+
+}  // namespace
+
+size_t HubObserver::read_events(EventCursor* cursor, Event* out, size_t cap,
+                                uint64_t* lost) const {
+  static_assert(sizeof(EventCursor::next) / sizeof(uint64_t) == shm::kEventStreams);
   const shm::HubView& hub = impl_->hub;
   const uint32_t capacity = hub.header()->event_capacity;
-  const uint64_t next = hub.events()->next.load(std::memory_order_acquire);
-  uint64_t from = *cursor;
   uint64_t skipped = 0;
-  if (next > capacity && from < next - capacity) {
-    skipped = next - capacity - from;
-    from = next - capacity;
-  }
-  size_t n = 0;
-  for (; from < next && n < cap; ++from) {
-    const shm::EventEntry& e = hub.event_entries()[from & (capacity - 1)];
-    const uint32_t c0 = e.commit.load(std::memory_order_acquire);
-    if (c0 != uint32_t(from + 1)) {
-      if (c0 == 0 || int32_t(c0 - uint32_t(from + 1)) < 0) break;  // not written yet: stop here
-      ++skipped;                                                 // already overwritten
-      continue;
-    }
+  struct Head {
+    uint64_t pos, end;
+    bool have;
     Event ev;
-    ev.type = EventType(e.kind.load(std::memory_order_relaxed));
-    ev.slot = e.slot.load(std::memory_order_relaxed);
-    ev.ts_ns = e.ts_ns.load(std::memory_order_relaxed);
-    ev.a = e.a.load(std::memory_order_relaxed);
-    ev.b = e.b.load(std::memory_order_relaxed);
-    std::atomic_thread_fence(std::memory_order_acquire);
-    if (e.commit.load(std::memory_order_relaxed) != c0) {
-      ++skipped;
-      continue;
+  } heads[shm::kEventStreams];
+  for (uint32_t k = 0; k < shm::kEventStreams; ++k) {
+    const uint64_t next = hub.events(shm::EventStream(k))->next.load(std::memory_order_acquire);
+    uint64_t pos = std::min(cursor->next[k], next);  // a cursor from an earlier hub: start over
+    if (next > capacity && pos < next - capacity) {
+      skipped += next - capacity - pos;
+      pos = next - capacity;
     }
-    out[n++] = ev;
+    heads[k] = Head{pos, next, false, {}};
   }
-  *cursor = from;
+  // Fills a stream's head with its next readable event, if any.
+  auto fill = [&](uint32_t k) {
+    Head& h = heads[k];
+    while (!h.have && h.pos < h.end) {
+      switch (peek_event(hub, shm::EventStream(k), h.pos, &h.ev)) {
+        case Peek::kGot: h.have = true; return;
+        case Peek::kNotYet: h.end = h.pos; return;
+        case Peek::kOverwritten: ++skipped; ++h.pos; break;
+      }
+    }
+  };
+  size_t n = 0;
+  while (n < cap) {
+    int pick = -1;
+    for (uint32_t k = 0; k < shm::kEventStreams; ++k) {
+      fill(k);
+      if (heads[k].have && (pick < 0 || heads[k].ev.ts_ns < heads[pick].ev.ts_ns)) pick = int(k);
+    }
+    if (pick < 0) break;
+    out[n++] = heads[pick].ev;
+    heads[pick].have = false;
+    ++heads[pick].pos;
+  }
+  // A head read but not returned is read again next time.
+  for (uint32_t k = 0; k < shm::kEventStreams; ++k) cursor->next[k] = heads[k].pos;
   if (lost) *lost = skipped;
   return n;
 }

@@ -90,6 +90,12 @@ struct Event {
   uint64_t b = 0;
 };
 
+// Where a reader stands in each of the hub's event streams (one per writing thread of the
+// trainer, shm/layout.h). Value-initialised: the oldest events still kept.
+struct EventCursor {
+  uint64_t next[2] = {0, 0};
+};
+
 class HubObserver {
  public:
   // Connects to the hub of (job, rank). On failure returns the status and sets *error to one
@@ -101,10 +107,12 @@ class HubObserver {
   HubObserver& operator=(const HubObserver&) = delete;
 
   HubSnapshot snapshot() const;
-  // Events logged since *cursor (0 = the oldest still kept); advances *cursor. Returns how
-  // many were copied (at most cap). Events overwritten before they were read are skipped, and
-  // *lost (may be null) receives their count.
-  size_t read_events(uint64_t* cursor, Event* out, size_t cap, uint64_t* lost = nullptr) const;
+  // Events logged since *cursor, the hub's streams merged in timestamp order; advances
+  // *cursor. Returns how many were copied (at most cap). Events overwritten before they were
+  // read are skipped, and *lost (may be null) receives their count. Each stream's events come
+  // in the order they were logged; across streams the order holds within one call (a later
+  // call may return an event of one stream older than the last one returned from the other).
+  size_t read_events(EventCursor* cursor, Event* out, size_t cap, uint64_t* lost = nullptr) const;
   // False once the trainer closed the hub or died.
   bool alive() const;
   // A descriptor that becomes readable (EOF/HUP) when the trainer goes away: watch it with

@@ -13,17 +13,20 @@ inline uint32_t kind_index(bb_bubble_kind kind) noexcept {
 }  // namespace
 
 void BubblePredictor::push(History* h, uint64_t duration_ns) noexcept {
-  h->window[h->next] = duration_ns;
-  h->next = static_cast<uint8_t>((h->next + 1) % kWindow);
-  if (h->count < kWindow) ++h->count;
   // Done here so predict() is a single load. A full window (the steady state) goes through a
   // 9-comparator sorting network of min/max, which compiles to conditional moves: no branch to
   // mispredict on the bubble path. The first few observations use a plain insertion sort.
+  // The window is read before the new value is stored: reading it back right after a narrower
+  // store would stall on store-to-load forwarding, which cost more than the network itself.
   uint64_t v[kWindow];
+  const uint32_t at = h->next;
+  for (uint32_t i = 0; i < kWindow; ++i) v[i] = i == at ? duration_ns : h->window[i];
+  h->window[at] = duration_ns;
+  h->next = static_cast<uint8_t>(at + 1 == kWindow ? 0 : at + 1);
+  if (h->count < kWindow) ++h->count;
   const uint32_t n = h->count;
   static_assert(kWindow == 5, "the sorting network below is for five values");
   if (n == kWindow) {
-    for (uint32_t i = 0; i < kWindow; ++i) v[i] = h->window[i];
     auto cas = [&v](int a, int b) {
       const uint64_t lo = v[a] < v[b] ? v[a] : v[b], hi = v[a] < v[b] ? v[b] : v[a];
       v[a] = lo;
@@ -34,8 +37,9 @@ void BubblePredictor::push(History* h, uint64_t duration_ns) noexcept {
     h->prediction = v[2];
     return;
   }
-  for (uint32_t i = 0; i < n; ++i) {
-    uint64_t x = h->window[i];
+  // Not full yet: the n values sit in window[0..n) (next has not wrapped), already copied to v.
+  for (uint32_t i = 1; i < n; ++i) {
+    const uint64_t x = v[i];
     uint32_t j = i;
     for (; j > 0 && v[j - 1] > x; --j) v[j] = v[j - 1];
     v[j] = x;

@@ -378,7 +378,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   b->version.store(v + 2, std::memory_order_release);
   if (n) starts_.store(starts_.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
   if (wakes) wakes_.store(wakes_.load(std::memory_order_relaxed) + wakes, std::memory_order_relaxed);
-  shm::log_event(hub_, shm::EventKind::kBubbleBegin, 0xffff, now, expected_ns, free_mem);
+  log_bubble(shm::EventKind::kBubbleBegin, now, expected_ns, free_mem);
   return BB_OK;
 }
 
@@ -436,7 +436,7 @@ void Trainer::end_locked(uint64_t now) {
   last_end_ns_ = now;
   if (pauses) pauses_.store(pauses_.load(std::memory_order_relaxed) + pauses, std::memory_order_relaxed);
   if (wakes) wakes_.store(wakes_.load(std::memory_order_relaxed) + wakes, std::memory_order_relaxed);
-  shm::log_event(hub_, shm::EventKind::kBubbleEnd, 0xffff, now, dur, 0);
+  log_bubble(shm::EventKind::kBubbleEnd, now, dur, 0);
 }
 
 bb_status Trainer::set_schedule(const bb_schedule_t& sc) {
@@ -873,7 +873,7 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   hub_.stats()->attached.fetch_add(1, std::memory_order_relaxed);
   retry_grants_ = true;
   publish_change();
-  shm::log_event(hub_, shm::EventKind::kTaskAttach, uint16_t(i), now_ns(), uint64_t(cred.pid), 0);
+  log_service(shm::EventKind::kTaskAttach, i, now_ns(), uint64_t(cred.pid), 0);
   const int fds[2] = {hub_fd_.get(), s.page_fd.get()};
   if (shm::send_msg(c.fd.get(), &r, sizeof r, fds, 2) != 0) {
     // The task went away during the attach. The caller drops the connection (it is still a
@@ -937,8 +937,7 @@ void Trainer::reclaim(uint32_t i, bool died) {
   s.conn = -1;
   s.pidfd.reset();
   hub_.stats()->attached.fetch_sub(1, std::memory_order_relaxed);
-  shm::log_event(hub_, shm::EventKind::kTaskDetach, uint16_t(i), now_ns(), uint64_t(ctl->pid),
-                 died ? 1 : 0);
+  log_service(shm::EventKind::kTaskDetach, i, now_ns(), uint64_t(ctl->pid), died ? 1 : 0);
 }
 
 void Trainer::free_released() {
@@ -980,7 +979,7 @@ void Trainer::drain_reports() {
         case shm::ReportType::kStarted: {
           std::lock_guard<std::mutex> lock(stats_mu_);
           start_latency_.record(rep.a);
-          shm::log_event(hub_, shm::EventKind::kTaskStart, uint16_t(i), rep.ts_ns, rep.epoch, rep.a);
+          log_service(shm::EventKind::kTaskStart, i, rep.ts_ns, rep.epoch, rep.a);
           break;
         }
         case shm::ReportType::kPaused:
@@ -988,7 +987,7 @@ void Trainer::drain_reports() {
             std::lock_guard<std::mutex> lock(stats_mu_);
             pause_latency_.record(rep.a);
           }
-          shm::log_event(hub_, shm::EventKind::kTaskPause, uint16_t(i), rep.ts_ns, rep.epoch, rep.a);
+          log_service(shm::EventKind::kTaskPause, i, rep.ts_ns, rep.epoch, rep.a);
           break;
         case shm::ReportType::kStep: {
           if (rep.b > rep.a || rep.count == 0) continue;
@@ -999,14 +998,13 @@ void Trainer::drain_reports() {
           ctl->step_ns.fetch_add(rep.a, std::memory_order_relaxed);
           ctl->ns_in_bubbles.fetch_add(rep.a - rep.b, std::memory_order_relaxed);
           ctl->ns_outside.fetch_add(rep.b, std::memory_order_relaxed);
-          shm::log_event(hub_, shm::EventKind::kTaskStep, uint16_t(i), rep.ts_ns - rep.a, rep.a,
-                         rep.b);
+          log_service(shm::EventKind::kTaskStep, i, rep.ts_ns - rep.a, rep.a, rep.b);
           break;
         }
         case shm::ReportType::kFinished:
         case shm::ReportType::kFailed:
-          shm::log_event(hub_, shm::EventKind::kTaskFinish, uint16_t(i), rep.ts_ns,
-                         rep.type == uint32_t(shm::ReportType::kFailed), 0);
+          log_service(shm::EventKind::kTaskFinish, i, rep.ts_ns,
+                      rep.type == uint32_t(shm::ReportType::kFailed), 0);
           break;
         default:
           break;
@@ -1231,7 +1229,7 @@ bb_status Trainer::offer_grant(uint32_t i, uint64_t bytes, uint64_t* id, std::st
   // names it always finds grant_change moved.
   ring_doorbell(i);
   s.grant_ready.store(g.id, std::memory_order_release);
-  shm::log_event(hub_, shm::EventKind::kGrant, uint16_t(i), now_ns(), g.id, g.size);
+  log_service(shm::EventKind::kGrant, i, now_ns(), g.id, g.size);
   if (id) *id = g.id;
   return BB_OK;
 }
@@ -1250,7 +1248,7 @@ bb_status Trainer::start_revoke(uint32_t i, uint64_t deadline_ns, std::string* e
   c->revoke_id.store(s.grant, std::memory_order_release);
   ring_doorbell(i);
   revokes_.fetch_add(1, std::memory_order_relaxed);
-  shm::log_event(hub_, shm::EventKind::kRevoke, uint16_t(i), now_ns(), s.grant, deadline_ns);
+  log_service(shm::EventKind::kRevoke, i, now_ns(), s.grant, deadline_ns);
   check_grant_ack(i);  // a task that already gave it back
   return BB_OK;
 }
@@ -1285,7 +1283,7 @@ void Trainer::release_grant(uint32_t i, bool dead) {
   s.grant_ready.store(0, std::memory_order_release);
   retry_grants_ = true;
   if (dead) released_dead_.fetch_add(1, std::memory_order_relaxed);
-  shm::log_event(hub_, shm::EventKind::kGrantRelease, uint16_t(i), now_ns(), id, dead ? 1 : 0);
+  log_service(shm::EventKind::kGrantRelease, i, now_ns(), id, dead ? 1 : 0);
 }
 
 void Trainer::kill_task(uint32_t i, uint64_t grant_id) {
@@ -1300,8 +1298,7 @@ bool Trainer::send_kill(int pidfd, uint32_t slot, int32_t pid, uint64_t grant_id
   // pidfd, not the pid: the pid may already name another process.
   if (syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0) == 0) {
     kills_.fetch_add(1, std::memory_order_relaxed);
-    shm::log_event(hub_, shm::EventKind::kTaskKill, uint16_t(slot), now_ns(), uint64_t(pid),
-                   grant_id);
+    log_service(shm::EventKind::kTaskKill, slot, now_ns(), uint64_t(pid), grant_id);
   }
   // On a failure other than ESRCH (EPERM: another uid) the grant simply stays out of use until
   // the process exits, which the pidfd still tells.

@@ -70,6 +70,14 @@ class Trainer {
   void end_locked(uint64_t now);
   bool task_ready(uint32_t i);
   void mark_bad(uint32_t i);
+  // Each thread appends to its own event stream, which keeps an append free of atomic
+  // read-modify-writes (shm/layout.h).
+  void log_bubble(shm::EventKind kind, uint64_t ts_ns, uint64_t a, uint64_t b) {
+    shm::log_event(hub_, shm::EventStream::kBubble, kind, 0xffff, ts_ns, a, b);
+  }
+  void log_service(shm::EventKind kind, uint32_t slot, uint64_t ts_ns, uint64_t a, uint64_t b) {
+    shm::log_event(hub_, shm::EventStream::kService, kind, uint16_t(slot), ts_ns, a, b);
+  }
 
   // Service thread.
   void serve();

@@ -50,7 +50,7 @@ struct Hub {
   bool alive = false;
   bool draining = false;
   core::HubSnapshot snap;
-  uint64_t cursor = 0;
+  core::EventCursor cursor;
   std::deque<core::Event> events;  // bounded history for traces and timelines
   uint64_t lost = 0;
   std::map<uint16_t, std::string> slot_names;

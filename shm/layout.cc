@@ -31,8 +31,9 @@ HubGeometry hub_geometry(uint32_t max_slots, uint32_t event_capacity) {
   g.slots_offset = off;
   off = align_up(off + uint64_t(max_slots) * sizeof(SlotCtl), kCacheLine);
   g.events_offset = off;
-  g.entries_offset = off + sizeof(EventLog);
-  off = align_up(g.entries_offset + uint64_t(event_capacity) * sizeof(EventEntry), 4096);
+  g.entries_offset = off + kEventStreams * sizeof(EventLog);
+  off = align_up(g.entries_offset + uint64_t(kEventStreams) * event_capacity * sizeof(EventEntry),
+                 4096);
   g.layout_size = off;
   return g;
 }
@@ -101,12 +102,12 @@ bool validate_hub(const unsigned char* base, uint64_t mapped_size, std::string* 
   return true;
 }
 
-void log_event(const HubView& hub, EventKind kind, uint16_t slot, uint64_t ts_ns, uint64_t a,
-               uint64_t b) {
+void log_event(const HubView& hub, EventStream stream, EventKind kind, uint16_t slot,
+               uint64_t ts_ns, uint64_t a, uint64_t b) {
   const uint32_t cap = hub.header()->event_capacity;
-  const uint64_t idx = hub.events()->next.fetch_add(1, std::memory_order_relaxed);
-  EventEntry& e = hub.event_entries()[idx & (cap - 1)];
-  // Readers check commit before and after copying, so an entry being rewritten is skipped.
+  EventLog* log = hub.events(stream);
+  const uint64_t idx = log->next.load(std::memory_order_relaxed);  // ours alone
+  EventEntry& e = hub.event_entries(stream)[idx & (cap - 1)];
   e.commit.store(0, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   e.kind.store(uint16_t(kind), std::memory_order_relaxed);
@@ -115,6 +116,7 @@ void log_event(const HubView& hub, EventKind kind, uint16_t slot, uint64_t ts_ns
   e.a.store(a, std::memory_order_relaxed);
   e.b.store(b, std::memory_order_relaxed);
   e.commit.store(uint32_t(idx + 1), std::memory_order_release);
+  log->next.store(idx + 1, std::memory_order_release);
 }
 
 }  // namespace bb::shm

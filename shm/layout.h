@@ -20,7 +20,7 @@ namespace bb::shm {
 
 constexpr uint64_t kHubMagic = 0x3142554842425542ull;   // "BUBBHUB1" little-endian
 constexpr uint64_t kPageMagic = 0x3147415042425542ull;  // "BUBBPAG1"
-constexpr uint32_t kLayoutVersion = 1;
+constexpr uint32_t kLayoutVersion = 2;  // 2: the event log became one stream per writer
 constexpr size_t kCacheLine = 64;
 constexpr size_t kNameBytes = 48;  // BB_NAME_MAX + NUL
 constexpr uint32_t kCommandRingSize = 16;
@@ -35,7 +35,7 @@ struct HubHeader {
   uint32_t header_size;
   uint64_t layout_size;      // bytes of the whole segment
   uint32_t max_slots;
-  uint32_t event_capacity;   // power of two
+  uint32_t event_capacity;   // entries per event stream, power of two
   uint32_t slot_ctl_size;
   uint32_t event_size;
   uint64_t bubble_offset;
@@ -206,11 +206,21 @@ enum class EventKind : uint16_t {
   kGrant = 9, kRevoke = 10, kGrantRelease = 11, kTaskKill = 12,
 };
 
-// The bounded event log: a ring the trainer process appends to (several threads, one atomic
-// fetch_add each), read by observers. `commit` is written last: (index + 1) low 32 bits.
+// The bounded event log: one ring per writing thread of the trainer process, read by observers.
+// A single writer appends with plain stores, so the bubble thread never pays an atomic
+// read-modify-write to log (two per bubble were a sixth of the path's cost). Observers merge
+// the streams by timestamp (core::HubObserver::read_events).
+enum class EventStream : uint32_t {
+  kBubble = 0,   // the trainer's bubble thread: kBubbleBegin, kBubbleEnd
+  kService = 1,  // the hub service thread: everything else
+};
+constexpr uint32_t kEventStreams = 2;
+
+// `commit` is written last: (index + 1) low 32 bits. Readers check it before and after copying
+// the entry, so one being rewritten a lap later is skipped rather than torn.
 struct alignas(32) EventEntry {
   std::atomic<uint32_t> commit;
-  // Atomic (relaxed) because a lap later another thread of the trainer may rewrite the entry.
+  // Atomic (relaxed) because the writer may rewrite the entry while a reader copies it.
   std::atomic<uint16_t> kind;
   std::atomic<uint16_t> slot;
   std::atomic<uint64_t> ts_ns;
@@ -220,13 +230,14 @@ struct alignas(32) EventEntry {
 static_assert(sizeof(EventEntry) == 32);
 
 struct alignas(kCacheLine) EventLog {
-  std::atomic<uint64_t> next;  // index of the next entry to write
+  std::atomic<uint64_t> next;  // index of the stream's next entry; stored by its writer only
 };
 
 // Where everything sits for a given slot count and event capacity.
 struct HubGeometry {
   uint32_t max_slots;
   uint32_t event_capacity;
+  // events_offset: kEventStreams EventLog headers, then each stream's event_capacity entries.
   uint64_t bubble_offset, stats_offset, slots_offset, events_offset, entries_offset;
   uint64_t layout_size;
 };
@@ -247,9 +258,13 @@ struct HubView {
   SlotCtl* slot(uint32_t i) const {
     return reinterpret_cast<SlotCtl*>(base + header()->slots_offset) + i;
   }
-  EventLog* events() const { return reinterpret_cast<EventLog*>(base + header()->events_offset); }
-  EventEntry* event_entries() const {
-    return reinterpret_cast<EventEntry*>(base + header()->events_offset + sizeof(EventLog));
+  EventLog* events(EventStream s) const {
+    return reinterpret_cast<EventLog*>(base + header()->events_offset) + uint32_t(s);
+  }
+  EventEntry* event_entries(EventStream s) const {
+    return reinterpret_cast<EventEntry*>(base + header()->events_offset +
+                                         kEventStreams * sizeof(EventLog)) +
+           uint64_t(uint32_t(s)) * header()->event_capacity;
   }
 };
 
@@ -261,8 +276,9 @@ void init_hub(unsigned char* base, const HubGeometry& g, const char* job, uint32
 // sentence naming the problem (and the fix for a version mismatch).
 bool validate_hub(const unsigned char* base, uint64_t mapped_size, std::string* error);
 
-// Appends to the event log (any thread of the trainer process; lock-free, bounded).
-void log_event(const HubView& hub, EventKind kind, uint16_t slot, uint64_t ts_ns, uint64_t a,
-               uint64_t b);
+// Appends to one event stream. Only that stream's writer thread may call it (bounded, plain
+// stores, no read-modify-write).
+void log_event(const HubView& hub, EventStream stream, EventKind kind, uint16_t slot,
+               uint64_t ts_ns, uint64_t a, uint64_t b);
 
 }  // namespace bb::shm

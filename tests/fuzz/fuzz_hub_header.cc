@@ -26,7 +26,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   sink += v.bubble()->seq.load();
   sink += v.stats()->steps.load();
   for (uint32_t i = 0; i < v.header()->max_slots; ++i) sink += v.slot(i)->doorbell.load();
-  for (uint32_t i = 0; i < v.header()->event_capacity; ++i) sink += v.event_entries()[i].ts_ns;
+  for (uint32_t k = 0; k < kEventStreams; ++k) {
+    const auto stream = EventStream(k);
+    sink += v.events(stream)->next.load();
+    for (uint32_t i = 0; i < v.header()->event_capacity; ++i)
+      sink += v.event_entries(stream)[i].ts_ns;
+  }
   asm volatile("" : : "r"(sink));  // keep the reads
   return 0;
 }

@@ -284,3 +284,80 @@ TEST_CASE("trainer_killed_mid_bubble_running_task_pauses_and_is_told") {
   CHECK(task.wait_line("RESULT", 5000).find("BB_E_TRAINER_GONE") != std::string::npos);
   CHECK(task.wait_exit(5000) == 0);
 }
+
+TEST_CASE("observer_merges_the_bubble_and_service_event_streams") {
+  RuntimeDir dir;
+  Trainer t("events");
+  std::unique_ptr<bb::core::HubObserver> obs;
+  std::string err;
+  REQUIRE(bb::core::HubObserver::open("", "events", 0, &obs, &err) == BB_OK);
+  Child task(task_args("events", "logged", "iterative", {"--step-us", "200"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(t.bubbles_until([&] { return t.stats().steps >= 5; }));
+  const uint64_t bubbles = t.stats().bubbles;
+
+  // Read in small batches, as the agent does: the cursor carries on across calls.
+  bb::core::EventCursor cursor;
+  std::vector<bb::core::Event> all;
+  bb::core::Event buf[7];
+  uint64_t lost_total = 0;
+  for (;;) {
+    uint64_t lost = 0;
+    const size_t n = obs->read_events(&cursor, buf, 7, &lost);
+    lost_total += lost;
+    for (size_t i = 1; i < n; ++i) CHECK(buf[i - 1].ts_ns <= buf[i].ts_ns);  // merged by time
+    all.insert(all.end(), buf, buf + n);
+    if (n < 7) break;
+  }
+  CHECK(lost_total == 0);
+  using ET = bb::core::EventType;
+  size_t begins = 0, ends = 0, attaches = 0, starts = 0, steps = 0;
+  bool open = false;
+  for (const auto& e : all) {
+    switch (e.type) {
+      case ET::kBubbleBegin: CHECK_FALSE(open); open = true; ++begins; break;
+      case ET::kBubbleEnd: CHECK(open); open = false; ++ends; break;
+      case ET::kTaskAttach: CHECK(e.a == uint64_t(task.pid())); ++attaches; break;
+      case ET::kTaskStart: ++starts; break;
+      case ET::kTaskStep: ++steps; break;
+      default: break;
+    }
+  }
+  // Every bubble from the bubble thread's stream, the task's life from the service thread's.
+  CHECK(begins == bubbles);
+  CHECK(ends == bubbles);
+  CHECK(attaches == 1);
+  CHECK(starts > 0);
+  CHECK(steps >= 5);
+  // Nothing new: an empty read that leaves the cursor where it was.
+  const bb::core::EventCursor before = cursor;
+  CHECK(obs->read_events(&cursor, buf, 7) == 0);
+  CHECK(cursor.next[0] == before.next[0]);
+  CHECK(cursor.next[1] == before.next[1]);
+  obs.reset();
+}
+
+TEST_CASE("observer_counts_events_overwritten_before_it_read_them") {
+  RuntimeDir dir;
+  bb_trainer_options_t o;
+  bb_trainer_options_init(&o);
+  o.event_capacity = 64;
+  bb_trainer_h h = nullptr;
+  REQUIRE(bb_trainer_open("lapped", 0, &o, &h) == BB_OK);
+  std::unique_ptr<bb::core::HubObserver> obs;
+  std::string err;
+  REQUIRE(bb::core::HubObserver::open("", "lapped", 0, &obs, &err) == BB_OK);
+  for (int i = 0; i < 100; ++i) {  // 200 events into a 64-entry stream
+    REQUIRE(bb_bubble_begin(h, 1000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+    REQUIRE(bb_bubble_end(h) == BB_OK);
+  }
+  bb::core::EventCursor cursor;
+  std::vector<bb::core::Event> buf(256);
+  uint64_t lost = 0;
+  const size_t n = obs->read_events(&cursor, buf.data(), buf.size(), &lost);
+  CHECK(n == 64);  // the newest lap
+  CHECK(lost == 200 - 64);
+  CHECK(buf[n - 1].type == bb::core::EventType::kBubbleEnd);
+  obs.reset();
+  bb_trainer_close(h);
+}

@@ -99,10 +99,31 @@ TEST_CASE("layout_rejects_bad_magic_sizes_and_offsets") {
 TEST_CASE("layout_event_log_keeps_the_newest_entries") {
   Hub h(4, 64);
   HubView v{h.base()};
-  for (uint64_t i = 0; i < 100; ++i) log_event(v, EventKind::kBubbleBegin, 0xffff, i, i, 0);
-  CHECK(v.events()->next.load() == 100);
+  for (uint64_t i = 0; i < 100; ++i)
+    log_event(v, EventStream::kBubble, EventKind::kBubbleBegin, 0xffff, i, i, 0);
+  CHECK(v.events(EventStream::kBubble)->next.load() == 100);
   // Entry 99 sits at 99 % 64 and carries commit 100.
-  const EventEntry& e = v.event_entries()[99 % 64];
+  const EventEntry& e = v.event_entries(EventStream::kBubble)[99 % 64];
   CHECK(e.commit.load() == 100);
   CHECK(e.a == 99);
+}
+
+TEST_CASE("layout_event_streams_are_separate_rings") {
+  Hub h(4, 64);
+  HubView v{h.base()};
+  for (uint64_t i = 0; i < 3; ++i)
+    log_event(v, EventStream::kBubble, EventKind::kBubbleBegin, 0xffff, i, 10 + i, 0);
+  log_event(v, EventStream::kService, EventKind::kTaskAttach, 2, 7, 4242, 0);
+  CHECK(v.events(EventStream::kBubble)->next.load() == 3);
+  CHECK(v.events(EventStream::kService)->next.load() == 1);
+  const EventEntry& s0 = v.event_entries(EventStream::kService)[0];
+  CHECK(s0.commit.load() == 1);
+  CHECK(s0.kind.load() == uint16_t(EventKind::kTaskAttach));
+  CHECK(s0.a.load() == 4242);
+  CHECK(v.event_entries(EventStream::kBubble)[0].a.load() == 10);  // not overwritten
+  // Both streams and their entries lie inside the segment.
+  const auto end = reinterpret_cast<uintptr_t>(v.event_entries(EventStream::kService) + 64);
+  CHECK(end <= reinterpret_cast<uintptr_t>(h.base()) + h.g.layout_size);
+  CHECK(reinterpret_cast<uintptr_t>(v.event_entries(EventStream::kBubble) + 64) <=
+        reinterpret_cast<uintptr_t>(v.event_entries(EventStream::kService)));
 }
