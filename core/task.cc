@@ -86,6 +86,7 @@ void Task::release() {
   grant_refused_ = 0;
   pending_fd_.reset();
   pending_fd_id_ = 0;
+  started_report_.count = 0;  // of a run on the old hub
   ctl_ = nullptr;
   page_ = nullptr;
   hub_.base = nullptr;
@@ -241,6 +242,12 @@ bool Task::flush_steps() {
 }
 
 void Task::push_report(shm::ReportType type, uint64_t a, uint64_t b, uint64_t ts) {
+  if (started_report_.count != 0) {  // the STARTED of the current run goes first
+    if (shm::ring_push(page_->reports, ctl_->report_head, report_cached_head_, started_report_) !=
+        shm::RingStatus::kOk)
+      page_->dropped.fetch_add(1, std::memory_order_relaxed);
+    started_report_.count = 0;
+  }
   shm::Report r{uint16_t(type), 1, epoch_, ts ? ts : now_ns(), a, b};
   const bool flushed = flush_steps();
   if (flushed && shm::ring_push(page_->reports, ctl_->report_head, report_cached_head_, r) ==
@@ -303,21 +310,24 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
     const uint32_t bell = ctl_->doorbell.load(std::memory_order_acquire);
     // After loading the bell: a grant change made after this look also moves the bell.
     if (const bb_status gs = sync_grant(kUnmap | kMap); gs != BB_OK) return gs;
-    shm::Command cmd;
-    for (;;) {
-      const shm::RingStatus rs = shm::ring_pop(ctl_->commands, page_->cmd_head, &cmd);
-      if (rs == shm::RingStatus::kEmpty) break;
-      if (rs == shm::RingStatus::kCorrupt) {
-        release();
-        return fail(BB_E_CORRUPT, "the command channel from the trainer failed validation");
-      }
-      if (cmd.type == uint32_t(shm::CommandType::kStop)) stopped_ = true;
-      if (cmd.type != uint32_t(shm::CommandType::kStart)) continue;
-      if (ctl_->run_epoch.load(std::memory_order_acquire) != cmd.epoch) {
+    // A start not taken yet: its block (on the line of the bell just read) is stable until we
+    // ack its epoch.
+    const uint32_t given = ctl_->given_epoch.load(std::memory_order_acquire);
+    if (given != 0 && given != page_->acked_epoch.load(std::memory_order_relaxed)) {
+      if (ctl_->run_epoch.load(std::memory_order_acquire) != given) {
         // The bubble ended before we woke: ack at once so the trainer may start us again.
-        ack(cmd.epoch, false);
+        ack(given, false);
         continue;
       }
+      shm::Command cmd{};
+      cmd.type = uint32_t(shm::CommandType::kStart);
+      cmd.epoch = given;
+      cmd.kind = ctl_->start_kind.load(std::memory_order_relaxed);
+      cmd.bubble_seq = ctl_->start_seq.load(std::memory_order_relaxed);
+      cmd.begin_ns = ctl_->start_begin_ns.load(std::memory_order_relaxed);
+      cmd.deadline_ns = ctl_->start_deadline_ns.load(std::memory_order_relaxed);
+      cmd.free_mem = ctl_->start_free_mem.load(std::memory_order_relaxed);
+      cmd.grant_id = ctl_->start_grant_id.load(std::memory_order_relaxed);
       if (cmd.grant_id != 0 && cmd.grant_id != grant_id_) {
         // Started with a grant we have not looked at yet (the bubble thread raced our look).
         if (const bb_status gs = sync_grant(kUnmap | kMap); gs != BB_OK) {
@@ -342,8 +352,11 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
       }
       page_->started_epoch.store(cmd.epoch, std::memory_order_relaxed);
       page_->state.store(uint32_t(shm::TaskRunState::kRunning), std::memory_order_relaxed);
+      // Stamped now, pushed with the task's next report (or ack): writing the report ring
+      // here would stand between the start and the task's own work.
       const uint64_t now = now_ns();
-      push_report(shm::ReportType::kStarted, now > cmd.begin_ns ? now - cmd.begin_ns : 0, 0, now);
+      started_report_ = shm::Report{uint16_t(shm::ReportType::kStarted), 1, cmd.epoch, now,
+                                    now > cmd.begin_ns ? now - cmd.begin_ns : 0, 0};
       if (out) {
         out->kind = cmd.kind;
         out->bubble_seq = cmd.bubble_seq;
@@ -354,6 +367,7 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
       }
       return BB_OK;
     }
+    if (const bb_status cs = drain_commands(); cs != BB_OK) return cs;
     if (stopped_ || ctl_->stop.load(std::memory_order_acquire)) {
       stopped_ = true;
       return fail(BB_E_STOPPED, "the task was told to stop: finish and detach");
@@ -369,6 +383,21 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
 
     const bb_status st = wait_for_doorbell(bell, now, until);
     if (st != BB_OK) return st;
+  }
+}
+
+bb_status Task::drain_commands() {
+  // Starts are taken from the slot's start block; the ring's records only need room made, and a
+  // STOP among them ends the task. Nothing here is on the path from a start to running.
+  shm::Command cmd;
+  for (;;) {
+    const shm::RingStatus rs = shm::ring_pop(ctl_->commands, page_->cmd_head, &cmd);
+    if (rs == shm::RingStatus::kEmpty) return BB_OK;
+    if (rs == shm::RingStatus::kCorrupt) {
+      release();
+      return fail(BB_E_CORRUPT, "the command channel from the trainer failed validation");
+    }
+    if (cmd.type == uint32_t(shm::CommandType::kStop)) stopped_ = true;
   }
 }
 

@@ -49,6 +49,7 @@ class Task {
   // every 100 ms and make should_pause() true once it is gone.
   void check_trainer_while_running() const;
   bb_status wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until);
+  bb_status drain_commands();  // the command ring's records, between runs
   void push_report(shm::ReportType type, uint64_t a, uint64_t b, uint64_t ts = 0);
   bool flush_steps();
   void ack(uint32_t epoch, bool yielded);
@@ -80,6 +81,7 @@ class Task {
   // Steps that found the report ring full, merged into one report sent when room appears, so
   // a task with many short steps loses no time from the statistics.
   shm::Report pending_steps_{};
+  shm::Report started_report_{};  // count 0: none waiting to be pushed
   uint64_t spin_ns_ = 0;        // adaptive spin before sleeping
   uint64_t stale_slice_ns_ = kFirstStaleSliceNs;  // predictive wake: see wait_for_doorbell
   uint64_t late_window_ns_ = 0;  // predictive wake: spin this long past the predicted begin

@@ -330,21 +330,16 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
     Slot& s = slots_[i];
     SlotCtl* c = hub_.slot(i);
     s.epoch = next_epoch(s.epoch);
-    shm::Command cmd{};
-    cmd.type = uint32_t(shm::CommandType::kStart);
-    cmd.epoch = s.epoch;
-    cmd.bubble_seq = seq;
-    cmd.begin_ns = now;
-    cmd.deadline_ns = deadline;
-    cmd.free_mem = free_mem;
-    cmd.kind = uint32_t(kind);
-    cmd.grant_id = s.grant_ready.load(std::memory_order_relaxed);
-    if (shm::ring_push(c->commands, s.page->cmd_head, s.cmd_cached_head, cmd) !=
-        shm::RingStatus::kOk) {
-      mark_bad(i);  // task_ready() saw room a moment ago: the task moved its index backwards
-      continue;
-    }
-    c->given_epoch.store(s.epoch, std::memory_order_relaxed);
+    // The start block first, then the epoch that makes it current, then the bell: a waiting
+    // task reads all three from one cache line.
+    c->start_kind.store(uint32_t(kind), std::memory_order_relaxed);
+    c->start_seq.store(seq, std::memory_order_relaxed);
+    c->start_begin_ns.store(now, std::memory_order_relaxed);
+    c->start_deadline_ns.store(deadline, std::memory_order_relaxed);
+    c->start_free_mem.store(free_mem, std::memory_order_relaxed);
+    c->start_grant_id.store(s.grant_ready.load(std::memory_order_relaxed),
+                            std::memory_order_relaxed);
+    c->given_epoch.store(s.epoch, std::memory_order_release);  // publishes the block
     c->run_epoch.store(s.epoch, std::memory_order_release);
     c->doorbell.fetch_add(1, std::memory_order_release);
     // Pairs with the task's store of `sleeping` and fence before its futex wait: either it sees
@@ -354,8 +349,29 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
       shm::futex_wake(&c->doorbell, INT_MAX);
       ++wakes;
     }
-    c->started_ns.store(now, std::memory_order_relaxed);
     running_[n_running_++] = i;
+  }
+  // The rest no waiting task needs. The command ring still carries every command in order (the
+  // task's runtime drains it between runs); the start block is the fast copy of the latest
+  // START, and the ring's indexes are how a task that corrupts its side is caught.
+  for (uint32_t k = 0; k < n; ++k) {
+    const uint32_t i = picked[k];
+    Slot& s = slots_[i];
+    SlotCtl* c = hub_.slot(i);
+    c->started_ns.store(now, std::memory_order_relaxed);
+    shm::Command cmd{};
+    cmd.type = uint32_t(shm::CommandType::kStart);
+    cmd.epoch = s.epoch;
+    cmd.bubble_seq = seq;
+    cmd.begin_ns = now;
+    cmd.deadline_ns = deadline;
+    cmd.free_mem = free_mem;
+    cmd.kind = uint32_t(kind);
+    cmd.grant_id = c->start_grant_id.load(std::memory_order_relaxed);
+    // task_ready() saw room a moment ago: a full ring means the task moved its index backwards.
+    if (shm::ring_push(c->commands, s.page->cmd_head, s.cmd_cached_head, cmd) !=
+        shm::RingStatus::kOk)
+      mark_bad(i);
   }
 
   if (last_end_ns_ != 0) gap_predictor_.observe(BB_BUBBLE_OTHER, now - last_end_ns_);

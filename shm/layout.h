@@ -134,23 +134,36 @@ enum class SlotState : uint32_t { kFree = 0, kActive = 1, kDead = 2 };
 
 // One task slot as the trainer process writes it (read-only to the task).
 struct alignas(kCacheLine) SlotCtl {
-  // Signalling words, read by the task on every wait and should_pause.
-  std::atomic<uint32_t> doorbell;    // futex word: bumped after every command and stop
-  std::atomic<uint32_t> run_epoch;   // nonzero while the task may run; the task compares
-  std::atomic<uint32_t> stop;        // 1: finish and detach
-  std::atomic<uint32_t> state;       // SlotState
-  std::atomic<uint32_t> generation;  // bumped on every attach to this slot
+  // The signal line, read by the task on every wait and should_pause. A start is complete on
+  // this one cache line: the bubble thread fills the start block, then run_epoch, then rings the
+  // doorbell, so a waiting task learns all of its start from the line it already watches (the
+  // START record in the command ring follows, off the latency path). The trainer rewrites the
+  // block only after the task acked the start it describes, so it is stable while the task
+  // reads it.
+  std::atomic<uint32_t> doorbell;      // futex word: bumped after every start, pause and stop
+  std::atomic<uint32_t> run_epoch;     // nonzero while the task may run; the task compares
+  std::atomic<uint32_t> given_epoch;   // the epoch of the last start: the block describes it
+  std::atomic<uint32_t> start_kind;    // bb_bubble_kind
+  std::atomic<uint64_t> start_seq;     // the bubble's number
+  std::atomic<uint64_t> start_begin_ns;
+  std::atomic<uint64_t> start_deadline_ns;  // 0 = unknown
+  std::atomic<uint64_t> start_free_mem;
+  std::atomic<uint64_t> start_grant_id;     // the grant to use in this bubble, 0 = none
   // Bumped by the hub service after every change of the grant words below (a grant offered, a
   // revoke asked, a grant taken back). A task holding a grant compares it in should_pause, so it
-  // sits on the line the task reads anyway.
+  // sits on the line the task reads anyway; it changes rarely.
   std::atomic<uint32_t> grant_change;
+  uint32_t reserved0;
+  // Slot control, read when the task acks, attaches or stops.
+  alignas(kCacheLine) std::atomic<uint32_t> stop;  // 1: finish and detach
+  std::atomic<uint32_t> state;       // SlotState
+  std::atomic<uint32_t> generation;  // bumped on every attach to this slot
+  std::atomic<uint32_t> paused_epoch;  // the epoch pause_requested_ns belongs to
+  std::atomic<uint32_t> bad;
+  uint32_t reserved1;
   std::atomic<uint64_t> report_head; // consumer index of the task's report ring
   std::atomic<uint64_t> pause_requested_ns;
   std::atomic<uint64_t> started_ns;  // when the trainer last started it
-  std::atomic<uint32_t> paused_epoch;  // the epoch pause_requested_ns belongs to
-  std::atomic<uint32_t> bad;
-  std::atomic<uint32_t> given_epoch;   // the last run epoch the trainer started the task with
-  uint32_t reserved1;
   // Identity, written before state becomes kActive.
   int32_t pid;
   int32_t priority;
@@ -175,6 +188,7 @@ struct alignas(kCacheLine) SlotCtl {
   std::atomic<uint64_t> revoke_deadline_ns;  // after it the task is killed
   GrantRecord grant;                         // what grant_id names
 };
+static_assert(offsetof(SlotCtl, stop) == kCacheLine, "the signal line is one cache line");
 
 enum class TaskRunState : uint32_t { kIdle = 0, kRunning = 1, kFinished = 2, kFailed = 3 };
 

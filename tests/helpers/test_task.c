@@ -129,7 +129,10 @@ int main(int argc, char **argv) {
       st = bb_task_wait_start(task, -1, &info);
       if (st != BB_OK) break;
       ++starts;
-      printf("STARTED %llu\n", (unsigned long long)info.bubble_seq);
+      printf("STARTED %llu kind=%u len=%llu free=%llu\n", (unsigned long long)info.bubble_seq,
+             (unsigned)info.kind,
+             (unsigned long long)(info.deadline_ns ? info.deadline_ns - info.begin_ns : 0),
+             (unsigned long long)info.free_mem);
       fflush(stdout);
       use_grant(info.grant_id, info.grant_ptr, info.grant_bytes);
       while (!bb_task_should_pause(task)) {

@@ -3,6 +3,7 @@
 #include <bubble/bubble.h>
 #include <doctest/doctest.h>
 
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
@@ -71,15 +72,22 @@ TEST_CASE("imperative_task_sees_each_start_once") {
   Child task(task_args("imper", "loop", "imperative", {"--step-us", "100"}));
   REQUIRE(task.wait_line("ATTACHED") != "");
   REQUIRE(eventually([&] { return t.stats().tasks_attached == 1; }));
-  REQUIRE(t.bubbles_until([&] { return t.stats().starts >= 12; }));
-  // Every STARTED line names a distinct, increasing bubble.
+  for (int i = 0; i < 4000 && t.stats().starts < 12; ++i) t.bubble(2000, 500, 777);
+  REQUIRE(t.stats().starts >= 12);
+  // Every STARTED line names a distinct, increasing bubble, and carries what its begin said.
   std::string line;
   uint64_t last = 0;
   int started = 0;
-  t.bubble();
+  t.bubble(2000, 500, 777);
   while (!(line = task.wait_line("STARTED", 50)).empty()) {
-    const uint64_t seq = std::stoull(line.substr(8));
+    unsigned long long seq = 0, len = 0, free_mem = 0;
+    unsigned kind = 99;
+    REQUIRE(std::sscanf(line.c_str(), "STARTED %llu kind=%u len=%llu free=%llu", &seq, &kind, &len,
+                        &free_mem) == 4);
     CHECK(seq > last);
+    CHECK(kind == unsigned(BB_BUBBLE_STEADY));
+    CHECK(len == 2'000'000);
+    CHECK(free_mem == 777);
     last = seq;
     ++started;
   }
