@@ -36,6 +36,84 @@ void close_all(int* fds, size_t n) {
 
 }  // namespace
 
+int send_with_fds(int sock, const void* data, size_t len, const int* fds, size_t nfds,
+                  int flags) {
+  if (nfds > kMaxPassedFds || (nfds && !fds)) return EINVAL;
+  iovec iov{const_cast<void*>(data), len};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  ControlBuffer control;
+  if (nfds) {
+    std::memset(&control, 0, sizeof control);
+    msg.msg_control = control.buf;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
+    std::memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
+  }
+  for (;;) {
+    const ssize_t n = ::sendmsg(sock, &msg, MSG_NOSIGNAL | flags);
+    if (n >= 0) return size_t(n) == len ? 0 : EMSGSIZE;
+    if (errno != EINTR) return errno;
+  }
+}
+
+long recv_with_fds(int sock, void* data, size_t cap, int* fds, size_t max_fds, size_t* nfds,
+                   int flags, RecvProblem* problem) {
+  *nfds = 0;
+  *problem = RecvProblem::kNone;
+  if (max_fds > kMaxPassedFds || (max_fds && !fds)) return -EINVAL;
+  for (size_t i = 0; i < max_fds; ++i) fds[i] = -1;
+  iovec iov{data, cap};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  // Room for exactly max_fds descriptors: any more and the kernel sets MSG_CTRUNC and drops the
+  // excess, which we report. With max_fds == 0 there is no control buffer at all, so a peer that
+  // sends descriptors anyway is caught the same way.
+  ControlBuffer control;
+  msg.msg_control = max_fds ? control.buf : nullptr;
+  msg.msg_controllen = max_fds ? CMSG_SPACE(sizeof(int) * max_fds) : 0;
+  ssize_t n;
+  do {
+    n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | flags);
+  } while (n < 0 && errno == EINTR);
+  if (n < 0) return -long(errno);
+  // Collect every SCM_RIGHTS descriptor first so that nothing leaks on any failure below.
+  size_t got = 0, dropped = 0;
+  bool foreign = false;
+  for (cmsghdr* c = msg.msg_controllen ? CMSG_FIRSTHDR(&msg) : nullptr; c;
+       c = CMSG_NXTHDR(&msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) {
+      foreign = true;
+      continue;
+    }
+    const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    for (size_t i = 0; i < count; ++i) {
+      int fd;
+      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
+      if (got < max_fds) {
+        fds[got++] = fd;
+      } else {
+        ::close(fd);
+        ++dropped;
+      }
+    }
+  }
+  if ((msg.msg_flags & MSG_CTRUNC) || dropped) *problem = RecvProblem::kTooManyFds;
+  else if (msg.msg_flags & MSG_TRUNC) *problem = RecvProblem::kTooLong;
+  else if (foreign) *problem = RecvProblem::kForeign;
+  if (*problem != RecvProblem::kNone) {
+    close_all(fds, got);
+    return long(n);
+  }
+  *nfds = got;
+  return long(n);
+}
+
 bb_status send_fds(int sock, const void* data, size_t len, const int* fds, size_t nfds,
                    std::string* error) {
   if (len == 0 || len > kMaxMessage || !data) {
@@ -55,42 +133,21 @@ bb_status send_fds(int sock, const void* data, size_t len, const int* fds, size_
       return BB_E_INVALID;
     }
   }
-  iovec iov{const_cast<void*>(data), len};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  ControlBuffer control;
-  if (nfds) {
-    std::memset(&control, 0, sizeof control);
-    msg.msg_control = control.buf;
-    msg.msg_controllen = CMSG_SPACE(sizeof(int) * nfds);
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int) * nfds);
-    std::memcpy(CMSG_DATA(c), fds, sizeof(int) * nfds);
-  }
-  for (;;) {
-    ssize_t n = ::sendmsg(sock, &msg, MSG_NOSIGNAL);
-    if (n >= 0) {
-      if (static_cast<size_t>(n) != len) {
-        // Only a stream socket sends part of a message; the descriptors went with the first byte.
-        *error = "send_fds sent " + std::to_string(n) + " of " + std::to_string(len) +
-                 " bytes: use a SOCK_SEQPACKET socket so messages stay whole";
-        return BB_E_SYSTEM;
-      }
-      return BB_OK;
-    }
-    if (errno == EINTR) continue;
-    int err = errno;
-    if (err == EAGAIN || err == EWOULDBLOCK) {
-      *error = "the socket's send buffer is full: the peer is not reading; retry later";
-      return BB_E_BUSY;
-    }
-    *error = "sendmsg of " + std::to_string(nfds) + " descriptor(s) failed: " + errno_text(err) +
-             (err == EPIPE || err == ECONNRESET ? " (the peer closed the socket)" : "");
+  const int err = send_with_fds(sock, data, len, fds, nfds, 0);
+  if (err == 0) return BB_OK;
+  if (err == EMSGSIZE) {
+    // Only a stream socket sends part of a message; the descriptors went with the first byte.
+    *error = "send_fds sent part of " + std::to_string(len) +
+             " bytes: use a SOCK_SEQPACKET socket so messages stay whole";
     return BB_E_SYSTEM;
   }
+  if (err == EAGAIN || err == EWOULDBLOCK) {
+    *error = "the socket's send buffer is full: the peer is not reading; retry later";
+    return BB_E_BUSY;
+  }
+  *error = "sendmsg of " + std::to_string(nfds) + " descriptor(s) failed: " + errno_text(err) +
+           (err == EPIPE || err == ECONNRESET ? " (the peer closed the socket)" : "");
+  return BB_E_SYSTEM;
 }
 
 bb_status recv_fds(int sock, void* data, size_t cap, size_t* len, int* fds, size_t max_fds,
@@ -102,75 +159,35 @@ bb_status recv_fds(int sock, void* data, size_t cap, size_t* len, int* fds, size
              " descriptor slots";
     return BB_E_INVALID;
   }
-  for (size_t i = 0; i < max_fds; ++i) fds[i] = -1;
-  iovec iov{data, cap};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  // Room for exactly max_fds descriptors: any more and the kernel sets MSG_CTRUNC and drops the
-  // excess, which we report. With max_fds == 0 there is still a control buffer of zero length,
-  // so a peer that sends descriptors anyway is caught the same way.
-  ControlBuffer control;
-  msg.msg_control = control.buf;
-  msg.msg_controllen = max_fds ? CMSG_SPACE(sizeof(int) * max_fds) : 0;
-  if (!max_fds) msg.msg_control = nullptr;
-  ssize_t n;
-  for (;;) {
-    n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
-    if (n >= 0) break;
-    if (errno == EINTR) continue;
-    int err = errno;
-    if (err == EAGAIN || err == EWOULDBLOCK) {
+  RecvProblem problem;
+  const long n = recv_with_fds(sock, data, cap, fds, max_fds, nfds, 0, &problem);
+  if (n < 0) {
+    if (n == -EAGAIN || n == -EWOULDBLOCK) {
       *error = "no message is waiting on the socket";
       return BB_E_TIMEOUT;
     }
-    *error = "recvmsg failed: " + errno_text(err);
+    *error = "recvmsg failed: " + errno_text(int(-n));
     return BB_E_SYSTEM;
   }
-  // Collect every SCM_RIGHTS descriptor first so that nothing leaks on any failure below.
-  size_t got = 0;
-  bool foreign = false;
-  size_t dropped = 0;
-  for (cmsghdr* c = msg.msg_controllen ? CMSG_FIRSTHDR(&msg) : nullptr; c;
-       c = CMSG_NXTHDR(&msg, c)) {
-    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) {
-      foreign = true;
-      continue;
-    }
-    size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-    for (size_t i = 0; i < count; ++i) {
-      int fd;
-      std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
-      if (got < max_fds) {
-        fds[got++] = fd;
-      } else {
-        ::close(fd);
-        ++dropped;
-      }
-    }
+  switch (problem) {
+    case RecvProblem::kNone:
+      *len = size_t(n);
+      return BB_OK;
+    case RecvProblem::kTooManyFds:
+      *error = "a message carried more than the " + std::to_string(max_fds) +
+               " descriptor(s) expected; the peer does not follow the protocol, so the message "
+               "was discarded";
+      break;
+    case RecvProblem::kTooLong:
+      *error = "a message was longer than the " + std::to_string(cap) +
+               " bytes expected; the peer does not follow the protocol, so the message was "
+               "discarded";
+      break;
+    case RecvProblem::kForeign:
+      *error = "a message carried ancillary data other than descriptors; it was discarded";
+      break;
   }
-  if ((msg.msg_flags & MSG_CTRUNC) || dropped) {
-    close_all(fds, got);
-    *error = "a message carried more than the " + std::to_string(max_fds) +
-             " descriptor(s) expected; the peer does not follow the protocol, so the message was "
-             "discarded";
-    return BB_E_CORRUPT;
-  }
-  if (msg.msg_flags & MSG_TRUNC) {
-    close_all(fds, got);
-    *error = "a message was longer than the " + std::to_string(cap) +
-             " bytes expected; the peer does not follow the protocol, so the message was "
-             "discarded";
-    return BB_E_CORRUPT;
-  }
-  if (foreign) {
-    close_all(fds, got);
-    *error = "a message carried ancillary data other than descriptors; it was discarded";
-    return BB_E_CORRUPT;
-  }
-  *len = static_cast<size_t>(n);
-  *nfds = got;
-  return BB_OK;
+  return BB_E_CORRUPT;
 }
 
 bb_status pidfd_open_pid(pid_t pid, int* out, std::string* error) {

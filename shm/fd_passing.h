@@ -21,6 +21,22 @@ namespace bb::shm {
 // Most descriptors one message may carry (the kernel's own limit, SCM_MAX_FD, is 253).
 inline constexpr size_t kMaxPassedFds = 16;
 
+// The system-call layer under both the hub's attach protocol (shm/wire.h) and the calls below:
+// errno values, no messages.
+//
+// Sends len bytes and nfds (<= kMaxPassedFds) descriptors as one message, MSG_NOSIGNAL plus
+// flags, retrying EINTR. Returns 0, EMSGSIZE if only part was sent (a stream socket), or errno.
+int send_with_fds(int sock, const void* data, size_t len, const int* fds, size_t nfds, int flags);
+
+enum class RecvProblem { kNone, kTooManyFds, kTooLong, kForeign };
+
+// Receives one message of at most cap bytes with at most max_fds (<= kMaxPassedFds)
+// close-on-exec descriptors, retrying EINTR. Returns the byte count (0: the peer closed) or
+// -errno. When the message broke the bounds (*problem != kNone) every descriptor that came with
+// it is closed and *nfds is 0.
+long recv_with_fds(int sock, void* data, size_t cap, int* fds, size_t max_fds, size_t* nfds,
+                   int flags, RecvProblem* problem);
+
 // Sends len bytes (1..64 KiB) and nfds descriptors (0..kMaxPassedFds) as one message. The
 // descriptors stay open in the sender. Retries EINTR; on a non-blocking socket that is full,
 // returns BB_E_BUSY. MSG_NOSIGNAL: a closed peer gives BB_E_SYSTEM (EPIPE), not SIGPIPE.
