@@ -279,6 +279,7 @@ void Trainer::refresh_slots() {
     cands_[i].active = active;
     if (active) span_ = i + 1;
   }
+  pick_index_.build(cands_, span_);
 }
 
 void Trainer::mark_bad(uint32_t i) {
@@ -322,8 +323,8 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   // Start the tasks first: what follows is bookkeeping no waiting task needs.
   uint32_t picked[BB_MAX_SLOTS_LIMIT];
   const Offer offer{free_mem, expected_ns};
-  const uint32_t n = pick_tasks(cands_, span_, offer, opts_.max_running, rr_cursor_,
-                                [this](uint32_t i) { return task_ready(i); }, picked);
+  const uint32_t n = pick_index_.pick(cands_, span_, offer, opts_.max_running, rr_cursor_,
+                                      [this](uint32_t i) { return task_ready(i); }, picked);
   uint64_t wakes = 0;
   for (uint32_t k = 0; k < n; ++k) {
     const uint32_t i = picked[k];
@@ -421,12 +422,6 @@ void Trainer::end_locked(uint64_t now) {
     if (s.page->acked_epoch.load(std::memory_order_acquire) == s.epoch) continue;  // yielded
     c->pause_requested_ns.store(now, std::memory_order_relaxed);
     c->paused_epoch.store(s.epoch, std::memory_order_release);
-    shm::Command cmd{};
-    cmd.type = uint32_t(shm::CommandType::kPause);
-    cmd.epoch = s.epoch;
-    cmd.bubble_seq = b->seq.load(std::memory_order_relaxed);
-    // A full ring only loses the detail: run_epoch already says "pause".
-    (void)shm::ring_push(c->commands, s.page->cmd_head, s.cmd_cached_head, cmd);
     c->doorbell.fetch_add(1, std::memory_order_release);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     // A task that acked meanwhile is waiting for the next start, not for this pause.
@@ -435,7 +430,19 @@ void Trainer::end_locked(uint64_t now) {
       shm::futex_wake(&c->doorbell, INT_MAX);
       ++wakes;
     }
-    ++pauses;
+    running_[pauses++] = i;  // (k >= pauses: running_ is compacted in place)
+  }
+  // The PAUSE records, once every task has been told: run_epoch already said "pause", so a
+  // full ring only loses the record.
+  const uint64_t seq = b->seq.load(std::memory_order_relaxed);
+  for (uint32_t k = 0; k < pauses; ++k) {
+    const uint32_t i = running_[k];
+    Slot& s = slots_[i];
+    shm::Command cmd{};
+    cmd.type = uint32_t(shm::CommandType::kPause);
+    cmd.epoch = s.epoch;
+    cmd.bubble_seq = seq;
+    (void)shm::ring_push(hub_.slot(i)->commands, s.page->cmd_head, s.cmd_cached_head, cmd);
   }
   n_running_ = 0;
   open_ = false;

@@ -120,6 +120,7 @@ class Trainer {
   // Bubble thread only.
   Candidate cands_[BB_MAX_SLOTS_LIMIT];
   uint32_t span_ = 0;  // one past the highest slot that may be active
+  PickIndex pick_index_;  // cands_ grouped by priority, rebuilt with them
   uint64_t seen_changes_ = 0;
   uint32_t rr_cursor_ = 0;
   uint32_t running_[BB_MAX_SLOTS_LIMIT];
