@@ -223,7 +223,8 @@ std::string fmt_ns(double ns) {
 
 std::string fmt_us(double ns) {
   char b[32];
-  std::snprintf(b, sizeof b, ns < 100000 ? "%.2f" : "%.0f", ns / 1e3);
+  // Three decimals below a microsecond, where spinning figures live.
+  std::snprintf(b, sizeof b, ns < 1000 ? "%.3f" : ns < 100000 ? "%.2f" : "%.0f", ns / 1e3);
   return b;
 }
 
