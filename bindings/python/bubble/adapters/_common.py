@@ -57,6 +57,23 @@ class PipelineSchedule:
         return BubbleKind.STEADY
 
 
+def publish_schedule(trainer: Trainer, s: PipelineSchedule) -> bool:
+    """Declares `s` to the trainer's predictor: one bubble per receive, times measured by the
+    library. A schedule the model cannot simulate is not published: a RuntimeWarning says why
+    and False comes back (bubbles are then predicted from observations only)."""
+    try:
+        trainer.set_schedule(_SCHEDULE_KINDS[s.kind], stages=s.stages,
+                             microbatches=s.micro_batches, stage=s.stage, chunks=s.chunks,
+                             bubbles=ScheduleBubbles.RECEIVES)
+    except InvalidArgument as exc:
+        warnings.warn(f"bubble: the {s.kind} schedule (stages={s.stages}, "
+                      f"micro_batches={s.micro_batches}, chunks={s.chunks}) is not published "
+                      f"to the predictor: {exc}; bubbles are predicted from observations only",
+                      RuntimeWarning, stacklevel=4)
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class WaitRecord:
     iteration: int
@@ -103,19 +120,7 @@ class WaitReporter:
     def publish_schedule(self) -> bool:
         """Declares the schedule to the trainer: one bubble per receive, times measured.
         Returns whether the schedule model took it."""
-        s = self.schedule
-        try:
-            self.trainer.set_schedule(_SCHEDULE_KINDS[s.kind], stages=s.stages,
-                                      microbatches=s.micro_batches, stage=s.stage,
-                                      chunks=s.chunks, bubbles=ScheduleBubbles.RECEIVES)
-        except InvalidArgument as exc:
-            warnings.warn(f"bubble: the {s.kind} schedule (stages={s.stages}, "
-                          f"micro_batches={s.micro_batches}, chunks={s.chunks}) is not published "
-                          f"to the predictor: {exc}; bubbles are predicted from observations only",
-                          RuntimeWarning, stacklevel=3)
-            self.published = False
-        else:
-            self.published = True
+        self.published = publish_schedule(self.trainer, self.schedule)
         return self.published
 
     def iteration(self) -> None:
