@@ -49,8 +49,8 @@ class BubblePredictor {
   // bubble ever, which has no bubble before it); advance to the next position.
   void skip() noexcept;
   // Seeds positions 0..count-1 (from a declared schedule) until they are observed; a 0 entry
-  // leaves its position unseeded. Replaces any earlier seeds. Positions past kMaxPositions are ignored. Seeds apply only
-  // when the trainer marks iterations.
+  // leaves its position unseeded. Replaces any earlier seeds. Positions past kMaxPositions are
+  // ignored. Seeds apply only when the trainer marks iterations.
   void seed(const uint64_t* durations_ns, uint32_t count) noexcept;
   // Seeds positions 0..count-1 with lengths in model units, scaled by *scale until observed:
   // such a position predicts 0 while the scale is unknown, then units * scale, at least 1 ns

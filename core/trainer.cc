@@ -315,9 +315,9 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   const uint64_t now = now_ns();
   if (open_) end_locked(now);
   // The gap goes in before the length is predicted: with measured times it is what scales
-  // the model, and this bubble's prediction should use the compute just done.
-  // The first bubble ever has no gap before it; its position still counts, or every later
-  // gap of the first iteration would land one position early.
+  // the model, and this bubble's prediction should use the compute just done. The first
+  // bubble ever has no gap before it; its position still counts, or every later gap of the
+  // first iteration would land one position early.
   if (last_end_ns_ != 0) gap_predictor_.observe(BB_BUBBLE_OTHER, now - last_end_ns_);
   else gap_predictor_.skip();
   if (expected_ns == 0) expected_ns = predictor_.predict(kind);
