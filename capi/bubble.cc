@@ -2,6 +2,7 @@
 // Nothing here decides policy.
 #include <bubble/bubble.h>
 
+#include <cstddef>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -142,8 +143,9 @@ bb_status bb_trainer_set_schedule(bb_trainer_h trainer, const bb_schedule_t* sch
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
   if (!schedule) return fail(BB_E_INVALID, "schedule is NULL");
   bb_schedule_t sc;
-  bb_status st = read_options(schedule, bb_schedule_t BB_SCHEDULE_INIT, sizeof(bb_schedule_t),
-                              "bb_schedule_t", &sc);
+  // Callers built before `bubbles` existed pass the shorter struct: they get the default.
+  bb_status st = read_options(schedule, bb_schedule_t BB_SCHEDULE_INIT,
+                              offsetof(bb_schedule_t, bubbles), "bb_schedule_t", &sc);
   if (st != BB_OK) return st;
   BB_GUARD(return trainer->impl->set_schedule(sc));
 }

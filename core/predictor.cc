@@ -58,7 +58,17 @@ uint64_t BubblePredictor::predict(bb_bubble_kind kind) const noexcept {
   const uint32_t k = kind_index(kind);
   if (marked_ && position_ < kMaxPositions) {
     const History& h = positions_[position_];
-    if (h.count > 0 ? h.kind == k : h.seeded) return h.prediction;
+    if (h.count > 0) {
+      if (h.kind == k) return h.prediction;
+    } else if (h.seeded == kNanoseconds) {
+      return h.prediction;
+    } else if (h.seeded == kUnits) {
+      if (scale_ == nullptr || scale_->model_units == 0) return 0;
+      const auto ns = static_cast<unsigned __int128>(h.units) * scale_->observed_ns /
+                      scale_->model_units;
+      if (ns == 0) return 1;
+      return ns > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(ns);
+    }
   }
   const History& h = kinds_[k];
   return h.count > 0 ? h.prediction : 0;
@@ -72,23 +82,55 @@ void BubblePredictor::observe(bb_bubble_kind kind, uint64_t duration_ns) noexcep
     if (h.count > 0 && h.kind != k) h.count = 0;
     if (h.count == 0) {
       h.next = 0;
-      h.seeded = 0;
+      h.seeded = kNone;
       h.kind = static_cast<uint8_t>(k);
     }
     push(&h, duration_ns);
+    if (measures_ && position_ > 0 && h.units > 0) {
+      scale_->observed_ns += duration_ns;
+      scale_->model_units += h.units;
+    }
   }
   push(&kinds_[k], duration_ns);
   if (position_ != UINT32_MAX) ++position_;
 }
 
+void BubblePredictor::skip() noexcept {
+  if (position_ != UINT32_MAX) ++position_;
+}
+
+void BubblePredictor::clear_seeds() noexcept {
+  for (History& h : positions_) {
+    h.units = 0;
+    if (h.count == 0) h.seeded = kNone;
+  }
+  scale_ = nullptr;
+  measures_ = false;
+}
+
 void BubblePredictor::seed(const uint64_t* durations_ns, uint32_t count) noexcept {
+  clear_seeds();
   if (durations_ns == nullptr) return;
   if (count > kMaxPositions) count = kMaxPositions;
   for (uint32_t i = 0; i < count; ++i) {
     History& h = positions_[i];
     if (durations_ns[i] == 0 || h.count > 0) continue;  // observations beat declarations
     h.prediction = durations_ns[i];
-    h.seeded = 1;
+    h.seeded = kNanoseconds;
+  }
+}
+
+void BubblePredictor::seed_units(const uint64_t* units, uint32_t count, UnitScale* scale,
+                                 bool measures_scale) noexcept {
+  clear_seeds();
+  if (units == nullptr || scale == nullptr) return;
+  scale_ = scale;
+  measures_ = measures_scale;
+  if (count > kMaxPositions) count = kMaxPositions;
+  for (uint32_t i = 0; i < count; ++i) {
+    History& h = positions_[i];
+    h.units = units[i];
+    if (h.count == 0) h.seeded = kUnits;  // observations beat declarations
   }
 }
 
@@ -97,6 +139,8 @@ void BubblePredictor::reset() noexcept {
   kinds_ = {};
   position_ = 0;
   marked_ = false;
+  measures_ = false;
+  scale_ = nullptr;
 }
 
 }  // namespace bb::core

@@ -299,6 +299,48 @@ bb_status simulate_schedule(const ScheduleParams& params, Schedule* out, std::st
   return BB_OK;
 }
 
+ScheduleParams unit_times(ScheduleParams params) {
+  // Interleaved splits each time among the chunks: one unit per chunk keeps the shares whole.
+  const uint64_t unit = params.kind == ScheduleKind::kInterleaved ? params.chunks : 1;
+  const bool zb = params.kind == ScheduleKind::kZBH1;
+  params.fwd_ns = unit;
+  params.bwd_ns = zb ? unit : 2 * unit;
+  params.wgrad_ns = zb ? unit : 0;
+  params.comm_ns = 0;
+  return params;
+}
+
+std::vector<ScheduledBubble> receive_waits(const Schedule& schedule, uint32_t stage) {
+  std::vector<ScheduledBubble> out;
+  if (stage >= schedule.stages.size()) return out;
+  const uint32_t p = schedule.params.stages, v = schedule.params.chunks;
+  const auto& ops = schedule.stages[stage].ops;
+  uint64_t t = 0;
+  double held = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const ScheduledOp& op = ops[i];
+    const uint32_t virt = op.chunk * p + stage;  // the op's place in the whole pipeline
+    const bool receives = (op.type == OpType::kForward && virt > 0) ||
+                          (op.type == OpType::kBackward && virt + 1 < p * v);
+    if (receives)
+      out.push_back({t, op.start_ns - t, i == 0 ? BB_BUBBLE_WARMUP : BB_BUBBLE_STEADY, held});
+    t = op.end_ns;
+    held = op.held_after;
+  }
+  return out;
+}
+
+std::vector<uint64_t> gaps_before(const std::vector<ScheduledBubble>& bubbles,
+                                  uint64_t iteration_ns) {
+  std::vector<uint64_t> out(bubbles.size());
+  for (size_t i = 0; i < bubbles.size(); ++i) {
+    const auto& prev = i ? bubbles[i - 1] : bubbles.back();
+    const uint64_t prev_end = prev.start_ns + prev.duration_ns;
+    out[i] = i ? bubbles[i].start_ns - prev_end : iteration_ns - prev_end + bubbles[0].start_ns;
+  }
+  return out;
+}
+
 double closed_form_bubble_fraction(const ScheduleParams& params, std::string* error) {
   if (!validate(params, error)) return -1;
   const double p = params.stages, m = params.microbatches, v = params.chunks;

@@ -89,6 +89,30 @@ struct Schedule {
 // null) to a sentence naming the parameter and the fix; *out is left untouched then.
 bb_status simulate_schedule(const ScheduleParams& params, Schedule* out, std::string* error);
 
+// Unit times for a schedule whose real times are not known yet: a forward of 1 and a backward
+// of 2 (the usual ratio), or for ZB-H1 1 each for forward, input and weight gradient (the
+// zero-bubble papers' split of that backward); no communication. Interleaved gets those per
+// chunk. Scaled by measured compute, the model's lengths are exact when the real times keep
+// these ratios.
+ScheduleParams unit_times(ScheduleParams params);
+
+// One bubble per receive: for every op of `stage` that needs a tensor from a neighbour (the
+// forward of every virtual stage but the first, the backward of every virtual stage but the
+// last; ZB-H1's weight passes receive nothing), in execution order, the idle time right before
+// that op (0 when its input is already there). This is how a framework that reports its
+// receive waits numbers its bubbles. Kind WARMUP before the stage's first op, else STEADY.
+// Every idle interval of the stage but the cool-down after its last op comes before a receiving
+// op, so the waits add up to the stage's idle time minus that cool-down. Empty when `stage` is
+// out of range.
+std::vector<ScheduledBubble> receive_waits(const Schedule& schedule, uint32_t stage);
+
+// The time before each bubble since the previous one ended, as a trainer sees it between its
+// bubble calls; before the first, since the previous iteration's last bubble ended (so it
+// holds whatever idles after that bubble, such as the cool-down, when the bubbles are
+// receive waits). Empty for no bubbles.
+std::vector<uint64_t> gaps_before(const std::vector<ScheduledBubble>& bubbles,
+                                  uint64_t iteration_ns);
+
 // The textbook bubble fraction for these parameters without communication time:
 //   GPipe, 1F1B:  (p-1) / (m+p-1)
 //   interleaved:  (p-1) / (v*m+p-1)             (the 1F1B bubble divided by about v)

@@ -315,6 +315,16 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   refresh_slots();
   const uint64_t now = now_ns();
   if (open_) end_locked(now);
+  // The gap before this bubble. The first bubble ever has none; its position still counts,
+  // or every later gap of the first iteration would land one position early. With measured
+  // times the gap is what scales the model, so this bubble's prediction should include the
+  // compute just done: then it goes in first; otherwise after the tasks are started.
+  const bool gap_first = gap_predictor_.measures_scale();
+  auto observe_gap = [&] {
+    if (last_end_ns_ != 0) gap_predictor_.observe(BB_BUBBLE_OTHER, now - last_end_ns_);
+    else gap_predictor_.skip();
+  };
+  if (gap_first) observe_gap();
   if (expected_ns == 0) expected_ns = predictor_.predict(kind);
   const uint64_t deadline = expected_ns ? now + expected_ns : 0;
   shm::BubbleState* b = hub_.bubble();
@@ -375,7 +385,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
       mark_bad(i);
   }
 
-  if (last_end_ns_ != 0) gap_predictor_.observe(BB_BUBBLE_OTHER, now - last_end_ns_);
+  if (!gap_first) observe_gap();
   // When the next bubble should begin: this one's expected end plus the gap that followed this
   // position before. Tasks waiting for it sleep until shortly before (predictive wake).
   const uint64_t gap = gap_predictor_.predict(BB_BUBBLE_OTHER);
@@ -468,9 +478,17 @@ bb_status Trainer::set_schedule(const bb_schedule_t& sc) {
   if (sc.stage >= sc.stages)
     return fail(BB_E_INVALID, "stage %u is out of range 0..%u (stages - 1)", sc.stage,
                 sc.stages ? sc.stages - 1 : 0);
-  if (sc.fwd_ns == 0 || sc.bwd_ns == 0)
-    return fail(BB_E_INVALID, "the schedule needs the forward and backward times of a "
-                "micro-batch (fwd_ns, bwd_ns) to predict bubble lengths");
+  if (sc.bubbles > BB_SCHEDULE_BUBBLES_RECEIVES)
+    return fail(BB_E_INVALID, "bubbles %u is not a bb_schedule_bubbles (0: idle intervals, "
+                "1: one per receive)", sc.bubbles);
+  const bool measure = sc.fwd_ns == 0 && sc.bwd_ns == 0;
+  if (!measure && (sc.fwd_ns == 0 || sc.bwd_ns == 0))
+    return fail(BB_E_INVALID, "the schedule has fwd_ns %llu and bwd_ns %llu: give both, or leave "
+                "both 0 to have them measured", (unsigned long long)sc.fwd_ns,
+                (unsigned long long)sc.bwd_ns);
+  if (measure && (sc.wgrad_ns != 0 || sc.comm_ns != 0))
+    return fail(BB_E_INVALID, "wgrad_ns and comm_ns need fwd_ns and bwd_ns: with those unknown "
+                "(0), leave them 0 too and the library measures all times");
   ScheduleParams p;
   p.kind = ScheduleKind(sc.kind);
   p.stages = sc.stages;
@@ -480,22 +498,30 @@ bb_status Trainer::set_schedule(const bb_schedule_t& sc) {
   p.bwd_ns = sc.bwd_ns;
   p.wgrad_ns = sc.wgrad_ns;
   p.comm_ns = sc.comm_ns;
+  if (measure) p = unit_times(p);
   Schedule model;
   std::string err;
   if (simulate_schedule(p, &model, &err) != BB_OK) return fail_msg(BB_E_INVALID, err);
-  const auto& bubbles = model.stages[sc.stage].bubbles;
+  const bool receives = sc.bubbles == BB_SCHEDULE_BUBBLES_RECEIVES;
+  const std::vector<ScheduledBubble> bubbles =
+      receives ? receive_waits(model, sc.stage) : model.stages[sc.stage].bubbles;
+  const std::vector<uint64_t> gaps = gaps_before(bubbles, model.iteration_ns);
+  // Positions past the predictor's table are not seeded: they fall back to per-kind history.
   const uint32_t n = uint32_t(std::min<size_t>(bubbles.size(), BubblePredictor::kMaxPositions));
-  uint64_t lengths[BubblePredictor::kMaxPositions], gaps[BubblePredictor::kMaxPositions];
+  uint64_t lengths[BubblePredictor::kMaxPositions];
   for (uint32_t i = 0; i < n; ++i) {
     lengths[i] = bubbles[i].duration_ns;
-    // The gap before bubble i; before the first, from the last bubble of the previous iteration.
-    const uint64_t prev_end = i ? bubbles[i - 1].start_ns + bubbles[i - 1].duration_ns
-                                : bubbles[n - 1].start_ns + bubbles[n - 1].duration_ns;
-    gaps[i] = i ? bubbles[i].start_ns - prev_end
-                : model.iteration_ns - prev_end + bubbles[0].start_ns;
+    // A receive the model says needs no wait is a bubble of (almost) nothing, not an unknown.
+    if (receives && !measure && lengths[i] == 0) lengths[i] = 1;
   }
-  predictor_.seed(lengths, n);
-  gap_predictor_.seed(gaps, n);
+  if (measure) {
+    unit_scale_ = UnitScale{};
+    predictor_.seed_units(lengths, n, &unit_scale_, false);
+    gap_predictor_.seed_units(gaps.data(), n, &unit_scale_, true);
+  } else {
+    predictor_.seed(lengths, n);
+    gap_predictor_.seed(gaps.data(), n);
+  }
   return BB_OK;
 }
 

@@ -130,6 +130,7 @@ class Trainer {
   bb_bubble_kind kind_ = BB_BUBBLE_OTHER;
   BubblePredictor predictor_;      // bubble lengths
   BubblePredictor gap_predictor_;  // time from a bubble's end to the next one's begin
+  UnitScale unit_scale_;           // a schedule declared without times: ns per model unit
   uint64_t last_end_ns_ = 0;
 
   // Written by the bubble thread, read by anyone.

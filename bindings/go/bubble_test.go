@@ -335,4 +335,14 @@ func TestSetScheduleAcceptsA1F1BPipelineAndNamesWhatItRejects(t *testing.T) {
 	if !errors.Is(err, ErrInvalid) || !errors.As(err, &e) || !strings.Contains(e.Message, "stage") {
 		t.Fatalf("want ErrInvalid naming the stage, got %v", err)
 	}
+	// Times unknown (measured), one bubble per receive; a forward time alone is refused.
+	sc = Schedule{Kind: Schedule1F1B, Stages: 4, Microbatches: 8, Stage: 1,
+		Bubbles: ScheduleBubblesReceives}
+	if err := tr.SetSchedule(sc); err != nil {
+		t.Fatal(err)
+	}
+	sc.Fwd = time.Millisecond
+	if err := tr.SetSchedule(sc); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "bwd_ns") {
+		t.Fatalf("want ErrInvalid naming bwd_ns, got %v", err)
+	}
 }

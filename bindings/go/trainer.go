@@ -32,8 +32,17 @@ const (
 	ScheduleZBH1        ScheduleKind = C.BB_SCHEDULE_ZBH1        // zero-bubble H1
 )
 
+// ScheduleBubbles says what one bubble is, which fixes how bubbles are numbered in an iteration.
+type ScheduleBubbles uint32
+
+const (
+	ScheduleBubblesIdle     ScheduleBubbles = C.BB_SCHEDULE_BUBBLES_IDLE     // idle intervals of the model
+	ScheduleBubblesReceives ScheduleBubbles = C.BB_SCHEDULE_BUBBLES_RECEIVES // one per receive, waited or not
+)
+
 // Schedule declares a pipeline schedule, so the predictor knows each bubble's length from the
-// first iteration on. Kind's zero value is ScheduleGPipe: set it.
+// first iteration on. Kind's zero value is ScheduleGPipe: set it. Zero Fwd and Bwd (and Wgrad,
+// Comm) mean the times are unknown: the library measures them.
 type Schedule struct {
 	Kind         ScheduleKind
 	Stages       uint32        // p >= 1
@@ -43,6 +52,7 @@ type Schedule struct {
 	Fwd, Bwd     time.Duration // one micro-batch's forward and backward (ZB-H1: input part)
 	Wgrad        time.Duration // ZB-H1: the weight-gradient part
 	Comm         time.Duration // point-to-point transfer between stages
+	Bubbles      ScheduleBubbles
 }
 
 // TrainerOptions sizes the hub; the zero value means the library's defaults.
@@ -207,6 +217,7 @@ func (t *Trainer) SetSchedule(s Schedule) error {
 	c.bwd_ns = durationNs(s.Bwd)
 	c.wgrad_ns = durationNs(s.Wgrad)
 	c.comm_ns = durationNs(s.Comm)
+	c.bubbles = C.uint32_t(s.Bubbles)
 	err = call(func() C.bb_status { return C.bb_trainer_set_schedule(h, &c) })
 	runtime.KeepAlive(t)
 	return err

@@ -2,9 +2,10 @@
 
     python3 pipeline.py --rank R --world 2 --store DIR --out FILE [--bubbles JOB --tasks N]
 
-With --bubbles, the stage opens a libbubble hub (job JOB, rank R) and reports the waits of its
-point-to-point receives as bubbles through bubble.torch_hooks.P2PBubbles; without it, it is
-plain torch. The schedule and the model are the same either way.
+With --bubbles, the stage opens a libbubble hub (job JOB, rank R), publishes its schedule to the
+predictor and reports its point-to-point receives as bubbles through
+bubble.torch_hooks.P2PBubbles; without it, it is plain torch. The schedule and the model are the
+same either way.
 """
 from __future__ import annotations
 
@@ -144,10 +145,15 @@ def main() -> None:
     try:
         if args.bubbles:
             import bubble
+            from bubble.adapters import PipelineSchedule
             from bubble.torch_hooks import P2PBubbles
 
+            sched = PipelineSchedule(stages=args.world, stage=args.rank,
+                                     micro_batches=MICRO_BATCHES)
             with bubble.Trainer(args.bubbles, args.rank) as trainer, \
-                    P2PBubbles(trainer, record=True) as hooks:
+                    P2PBubbles(trainer, record=True, schedule=sched) as hooks:
+                result["published"] = hooks.published
+                result["receives_per_iteration"] = sched.receives_per_iteration()
                 deadline = time.monotonic() + 60
                 while len(trainer.tasks()) < args.tasks:
                     if time.monotonic() > deadline:

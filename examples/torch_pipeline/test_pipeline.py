@@ -68,3 +68,16 @@ def test_the_hook_reports_warmup_and_cooldown_bubbles(runs):
     assert 2 in kinds[0] or 2 in kinds[1]  # steady-state waits
     assert 1 in kinds[1]  # stage 1 waits for the pipeline to fill
     assert 3 in kinds[0]  # stage 0 waits for the last gradient to drain
+
+
+def test_the_stages_publish_their_schedule_and_report_every_receive(runs):
+    _, bubbly = runs
+    for rank in range(2):
+        stage = bubbly["stages"][rank]
+        assert stage["published"], f"stage {rank} did not publish its schedule"
+        # Every receive of the schedule is a bubble, waited or not, so the predictor's
+        # positions are the schedule's; stage 0 also receives the loss after each iteration.
+        extra = 1 if rank == 0 else 0
+        per_iteration = stage["receives_per_iteration"] + extra
+        assert stage["receives_per_iteration"] == 4
+        assert len(stage["bubbles"]) == per_iteration * ITERATIONS

@@ -394,6 +394,20 @@ TEST_CASE("set_schedule accepts a 1F1B pipeline and names what it rejects") {
     CHECK(e.code() == bubble::status::E_INVALID);
     CHECK(e.message().find("stage") != std::string::npos);
   }
+  // Times unknown (measured), one bubble per receive: the field reaches the library, which
+  // rejects a forward time without a backward one.
+  sc.stage = 1;
+  sc.fwd = {};
+  sc.bwd = {};
+  sc.bubbles = bubble::schedule_bubbles::receives;
+  t.set_schedule(sc);
+  sc.fwd = 2ms;
+  try {
+    t.set_schedule(sc);
+    FAIL("a forward time without a backward time was accepted");
+  } catch (const bubble::error& e) {
+    CHECK(e.message().find("bwd_ns") != std::string::npos);
+  }
 }
 
 int main(int argc, char** argv) {

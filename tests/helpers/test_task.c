@@ -14,7 +14,8 @@
  *   --grant-seed N: fill each new grant with the pattern word(i) = N ^ (i * 2654435761), and
  *   print "GRANT <id> <bytes>" once it is written (iterative, imperative and the grant modes)
  *
- * It prints "ATTACHED slot-ok" once attached, "STARTED <seq>" for every start (imperative),
+ * It prints "ATTACHED slot-ok" once attached, "STARTED <seq> expected=<ns>" for every start
+ * (imperative; expected is the announced length, deadline - begin, 0 if none),
  * and a last line "RESULT <status name> steps=<n> starts=<n>". Exit code 0 unless attach failed
  * (2, with the library's message on stderr).
  */

@@ -2,11 +2,16 @@
 #include <bubble/bubble.h>
 #include <doctest/doctest.h>
 
+#include <chrono>
+#include <map>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "core/observer.h"
 #include "core/schedule.h"
 #include "tests/helpers/proc.h"
+#include "tests/helpers/trainer_fixture.h"
 
 TEST_CASE("declared_schedule_predicts_bubbles_from_the_first_iteration") {
   bbtest::RuntimeDir dir;
@@ -59,5 +64,189 @@ TEST_CASE("declared_schedule_predicts_bubbles_from_the_first_iteration") {
   sc.microbatches = 6;  // not a multiple of the 4 stages
   CHECK(bb_trainer_set_schedule(t, &sc) == BB_E_INVALID);
   CHECK(std::string(bb_last_error()).size() > 10);
+  bb_trainer_close(t);
+}
+
+namespace {
+
+// What a trainer and a side task saw of one bubble.
+struct Seen {
+  uint64_t seq = 0, begin = 0, end = 0, announced = 0;  // announced: deadline - begin, 0 if none
+};
+
+// One iteration of a 1F1B p=4 m=8 stage-2 trainer reporting one bubble per receive, as the
+// framework adapters do: the compute between receives is a sleep of the model's units at
+// `unit`, each receive waits its model length. A real side task process (imperative) runs in
+// the bubbles; before each bubble the trainer lets it ack the last pause, so it is started in
+// every bubble its steps fit. Returns what the hub showed per bubble, and what the task was
+// told at each start (by bubble seq).
+std::vector<Seen> run_receive_iteration(const char* job, bool declare,
+                                        const std::vector<bb::core::ScheduledBubble>& waits,
+                                        const std::vector<uint64_t>& gaps,
+                                        std::chrono::microseconds unit,
+                                        std::map<uint64_t, uint64_t>* task_saw) {
+  bbtest::TrainerFixture t(job);
+  bbtest::Child task({BB_TEST_TASK, job, "0", "side", "imperative", "--step-us", "50",
+                      "--min-step-us", "100"});
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(bbtest::eventually([&] { return t.stats().tasks_attached == 1; }));
+  if (declare) {
+    bb_schedule_t sc;
+    bb_schedule_init(&sc);
+    sc.kind = BB_SCHEDULE_1F1B;
+    sc.stages = 4;
+    sc.microbatches = 8;
+    sc.stage = 2;
+    sc.bubbles = BB_SCHEDULE_BUBBLES_RECEIVES;  // fwd_ns = bwd_ns = 0: measure them
+    REQUIRE(bb_trainer_set_schedule(t.h, &sc) == BB_OK);
+  }
+  std::unique_ptr<bb::core::HubObserver> obs;
+  std::string err;
+  REQUIRE(bb::core::HubObserver::open("", job, 0, &obs, &err) == BB_OK);
+  std::vector<Seen> seen;
+  uint64_t bubble_ns = 0;
+  REQUIRE(bb_trainer_iteration(t.h) == BB_OK);
+  for (size_t i = 0; i < waits.size(); ++i) {
+    if (i > 0) std::this_thread::sleep_for(unit * gaps[i]);
+    REQUIRE(bbtest::eventually([&] {
+      const auto snap = obs->snapshot();
+      return snap.tasks.size() == 1 && !snap.tasks[0].started;
+    }));
+    const auto kind = i == 0 ? BB_BUBBLE_WARMUP : BB_BUBBLE_STEADY;
+    REQUIRE(bb_bubble_begin(t.h, 0, BB_MEM_UNKNOWN, kind) == BB_OK);
+    const auto open = obs->snapshot();
+    Seen s;
+    s.seq = open.bubble_seq;
+    s.begin = open.bubble_begin_ns;
+    s.announced = open.bubble_deadline_ns ? open.bubble_deadline_ns - open.bubble_begin_ns : 0;
+    std::this_thread::sleep_for(unit * waits[i].duration_ns);
+    // A task the trainer started is let run before the bubble ends, however loaded the
+    // machine: a start it woke to after the end would be skipped, and it would print nothing.
+    if (open.tasks.size() == 1 && open.tasks[0].started)
+      REQUIRE(bbtest::eventually([&] {
+        return obs->snapshot().tasks[0].state == bb::core::TaskRunState::kRunning;
+      }));
+    REQUIRE(bb_bubble_end(t.h) == BB_OK);
+    const auto closed = obs->snapshot();
+    s.end = s.begin + (closed.bubble_ns - bubble_ns);
+    bubble_ns = closed.bubble_ns;
+    seen.push_back(s);
+  }
+  // Once the last pause is acked, every start the task had has been printed.
+  REQUIRE(bbtest::eventually([&] { return !obs->snapshot().tasks[0].started; }));
+  std::string line;
+  while (!(line = task.wait_line("STARTED", 200)).empty()) {
+    const auto at = line.find(" len=");  // deadline - begin, 0 without a deadline
+    REQUIRE(at != std::string::npos);
+    (*task_saw)[std::stoull(line.substr(8))] = std::stoull(line.substr(at + 5));
+  }
+  return seen;
+}
+
+}  // namespace
+
+TEST_CASE("published_schedule_with_measured_times_predicts_the_first_iteration") {
+  bbtest::RuntimeDir dir;
+  // The model an adapter publishes: 1F1B p=4 m=8 stage 2, one bubble per receive, in units.
+  bb::core::ScheduleParams p;
+  p.kind = bb::core::ScheduleKind::k1F1B;
+  p.stages = 4;
+  p.microbatches = 8;
+  bb::core::Schedule model;
+  std::string err;
+  REQUIRE(bb::core::simulate_schedule(bb::core::unit_times(p), &model, &err) == BB_OK);
+  const auto waits = bb::core::receive_waits(model, 2);
+  const auto gaps = bb::core::gaps_before(waits, model.iteration_ns);
+  REQUIRE(waits.size() == 16);
+  const auto unit = std::chrono::microseconds(400);  // the "real" forward time
+
+  std::map<uint64_t, uint64_t> task_saw;
+  const auto seen = run_receive_iteration("msched", true, waits, gaps, unit, &task_saw);
+  // Before any compute nothing is known; from the second bubble on each announced length is
+  // the model's, scaled by the compute measured so far (the gaps the trainer saw between its
+  // own bubble calls), and a receive the model says needs no wait is announced as 1 ns.
+  CHECK(seen[0].announced == 0);
+  unsigned __int128 observed = 0, units = 0;
+  for (size_t i = 1; i < seen.size(); ++i) {
+    CAPTURE(i);
+    observed += seen[i].begin - seen[i - 1].end;
+    units += gaps[i];
+    const uint64_t scaled = uint64_t(waits[i].duration_ns * observed / units);
+    CHECK(seen[i].announced == (scaled ? scaled : 1));
+    // The compute is at least the sleeps, so the scale never undershoots the real forward
+    // time: each wait is announced at least at its real length.
+    CHECK(seen[i].announced >= waits[i].duration_ns * uint64_t(unit.count()) * 1000);
+  }
+  // The side task process (steps of at least 100 us) was told the same deadlines, and
+  // started where its steps fit: at the warm-up (no deadline yet) and at the two-unit wait for
+  // the first gradient, not in the wait the model says is empty.
+  for (const auto& s : seen)
+    if (task_saw.count(s.seq)) CHECK(task_saw.at(s.seq) == s.announced);
+  REQUIRE(waits[1].duration_ns == 0);
+  REQUIRE(waits[2].duration_ns == 2);
+  CHECK(task_saw.count(seen[0].seq) == 1);
+  CHECK(task_saw.count(seen[1].seq) == 0);
+  CHECK(task_saw.count(seen[2].seq) == 1);
+  CHECK(task_saw[seen[2].seq] >= 2 * uint64_t(unit.count()) * 1000);
+
+  // Without the declaration the first iteration has only the history of each kind: no
+  // deadline for the first steady wait (the task runs blind), and the wait for the first
+  // gradient is guessed from that empty wait before it.
+  std::map<uint64_t, uint64_t> plain_saw;
+  const auto plain = run_receive_iteration("mplain", false, waits, gaps, unit, &plain_saw);
+  CHECK(plain[0].announced == 0);
+  CHECK(plain[1].announced == 0);
+  CHECK(plain_saw.count(plain[1].seq) == 1);
+  CHECK(plain_saw[plain[1].seq] == 0);
+  CHECK(plain[2].announced == plain[1].end - plain[1].begin);
+}
+
+TEST_CASE("schedule_with_measured_times_names_what_is_wrong") {
+  bbtest::RuntimeDir dir;
+  bb_trainer_h t = nullptr;
+  REQUIRE(bb_trainer_open("msbad", 0, nullptr, &t) == BB_OK);
+  bb_schedule_t sc;
+  bb_schedule_init(&sc);
+  CHECK(sc.bubbles == BB_SCHEDULE_BUBBLES_IDLE);
+  CHECK(sc.size == sizeof(bb_schedule_t));
+  sc.stages = 4;
+  sc.microbatches = 8;
+  sc.stage = 1;
+  // Times unknown, both ways of numbering bubbles: fine.
+  CHECK(bb_trainer_set_schedule(t, &sc) == BB_OK);
+  sc.bubbles = BB_SCHEDULE_BUBBLES_RECEIVES;
+  CHECK(bb_trainer_set_schedule(t, &sc) == BB_OK);
+  // One time without the other.
+  sc.fwd_ns = 1000;
+  CHECK(bb_trainer_set_schedule(t, &sc) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("leave both 0") != std::string::npos);
+  // A weight-gradient or transfer time cannot be mixed with unknown forward and backward.
+  sc.fwd_ns = 0;
+  sc.comm_ns = 50;
+  CHECK(bb_trainer_set_schedule(t, &sc) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("comm_ns") != std::string::npos);
+  sc.comm_ns = 0;
+  sc.bubbles = 7;
+  CHECK(bb_trainer_set_schedule(t, &sc) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("bubbles 7") != std::string::npos);
+  // A caller built before `bubbles` existed passes the shorter struct: still accepted.
+  sc.bubbles = BB_SCHEDULE_BUBBLES_IDLE;
+  sc.size = offsetof(bb_schedule_t, bubbles);
+  CHECK(bb_trainer_set_schedule(t, &sc) == BB_OK);
+  sc.size = offsetof(bb_schedule_t, comm_ns);
+  CHECK(bb_trainer_set_schedule(t, &sc) == BB_E_INVALID);
+  // More receives than the predictor's 128 positions: accepted, the rest falls back.
+  bb_schedule_init(&sc);
+  sc.stages = 4;
+  sc.microbatches = 100;
+  sc.stage = 1;
+  sc.bubbles = BB_SCHEDULE_BUBBLES_RECEIVES;
+  CHECK(bb_trainer_set_schedule(t, &sc) == BB_OK);
+  // One stage receives nothing: nothing to seed, not an error.
+  sc.stages = 1;
+  sc.stage = 0;
+  CHECK(bb_trainer_set_schedule(t, &sc) == BB_OK);
+  sc.bubbles = BB_SCHEDULE_BUBBLES_IDLE;
+  CHECK(bb_trainer_set_schedule(t, &sc) == BB_OK);
   bb_trainer_close(t);
 }

@@ -1,9 +1,12 @@
 #include <doctest/doctest.h>
 
 #include "core/predictor.h"
+#include "core/schedule.h"
 
+#include <cmath>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -212,4 +215,151 @@ TEST_CASE("predictor_reset_forgets_everything") {
   CHECK_FALSE(pr.iterations_marked());
   CHECK(pr.position() == 0);
   for (const auto& s : kIteration) CHECK(pr.predict(s.kind) == 0);
+}
+
+// ---- a schedule declared without times: model units scaled by measured compute -------------
+
+namespace {
+
+using bb::core::ScheduledBubble;
+
+std::vector<ScheduledBubble> receive_waits_of(uint64_t f, uint64_t b, bool units) {
+  bb::core::ScheduleParams sp;
+  sp.kind = bb::core::ScheduleKind::k1F1B;
+  sp.stages = 4;
+  sp.microbatches = 8;
+  sp.fwd_ns = f;
+  sp.bwd_ns = b;
+  if (units) sp = bb::core::unit_times(sp);
+  bb::core::Schedule s;
+  std::string err;
+  REQUIRE(bb::core::simulate_schedule(sp, &s, &err) == BB_OK);
+  return bb::core::receive_waits(s, 2);
+}
+
+struct Measured {
+  bb::core::UnitScale scale;
+  BubblePredictor lengths, gaps;
+  std::vector<uint64_t> unit_len, unit_gap, true_len, true_gap;
+
+  // Declares 1F1B p=4 m=8, stage 2, receive waits, in units; the truth runs at f and b.
+  Measured(uint64_t f, uint64_t b) {
+    const auto u = receive_waits_of(0, 0, true), t = receive_waits_of(f, b, false);
+    REQUIRE(u.size() == t.size());
+    const uint64_t unit_iter = 3 * (8 + 3), true_iter = (f + b) * (8 + 3);  // (m+p-1)(F+B)
+    unit_gap = bb::core::gaps_before(u, unit_iter);
+    true_gap = bb::core::gaps_before(t, true_iter);
+    for (size_t i = 0; i < u.size(); ++i) {
+      unit_len.push_back(u[i].duration_ns);
+      true_len.push_back(t[i].duration_ns);
+    }
+    lengths.seed_units(unit_len.data(), uint32_t(unit_len.size()), &scale, false);
+    gaps.seed_units(unit_gap.data(), uint32_t(unit_gap.size()), &scale, true);
+  }
+
+  // One iteration in the trainer's order: observe the gap before the bubble (none before the
+  // very first), predict the length, observe the length. Returns the length predictions.
+  std::vector<uint64_t> iterate(bool first, std::vector<uint64_t>* gap_predictions = nullptr) {
+    std::vector<uint64_t> predicted;
+    lengths.begin_iteration();
+    gaps.begin_iteration();
+    for (size_t i = 0; i < true_len.size(); ++i) {
+      if (first && i == 0) gaps.skip();
+      else gaps.observe(BB_BUBBLE_OTHER, true_gap[i]);
+      predicted.push_back(lengths.predict(BB_BUBBLE_STEADY));
+      if (gap_predictions) gap_predictions->push_back(gaps.predict(BB_BUBBLE_OTHER));
+      lengths.observe(BB_BUBBLE_STEADY, true_len[i]);
+    }
+    return predicted;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("predictor_units_scale_by_the_compute_seen_in_the_first_iteration") {
+  // Real times 1.3 ms forward, 2.6 ms backward: the library was told neither.
+  Measured m(1'300'000, 2'600'000);
+  REQUIRE(m.true_len.size() == 16);
+  // Nothing observed yet: no scale, no prediction.
+  m.lengths.begin_iteration();
+  CHECK(m.lengths.predict(BB_BUBBLE_STEADY) == 0);
+  std::vector<uint64_t> gap_pred;
+  const auto first = m.iterate(true, &gap_pred);
+  // The first wait comes before any compute; from the second on the scale is known.
+  CHECK(first[0] == 0);
+  size_t predicted = 0;
+  for (size_t i = 1; i < first.size(); ++i) {
+    CAPTURE(i);
+    // A wait the model says is zero is predicted as 1 ns: "nothing to hand out", not "no idea".
+    const double truth = double(m.true_len[i]), err = double(first[i]) - truth;
+    CHECK(first[i] > 0);
+    CHECK(std::abs(err) <= 0.001 * truth + 1);
+    if (m.true_len[i] > 0) ++predicted;
+  }
+  CHECK(predicted > 0);  // the steady waits of this stage are not all zero
+  // Predictive wake: each gap after a bubble is known once the scale is.
+  for (size_t i = 1; i + 1 < gap_pred.size(); ++i)
+    CHECK(double(gap_pred[i]) == doctest::Approx(double(m.true_gap[i + 1])).epsilon(0.001));
+  CHECK(m.scale.model_units > 0);
+  CHECK(double(m.scale.observed_ns) / double(m.scale.model_units) ==
+        doctest::Approx(1'300'000.0).epsilon(1e-9));
+}
+
+TEST_CASE("predictor_observations_replace_unit_seeds") {
+  Measured m(1'000'000, 2'000'000);
+  m.iterate(true);
+  // Every position observed once: the second iteration predicts what was seen, whatever the
+  // model said (here the truth shifts to show whose number comes back).
+  for (auto& t : m.true_len) t += 12'345;
+  const auto second = m.iterate(false);
+  for (size_t i = 0; i < second.size(); ++i) CHECK(second[i] == m.true_len[i] - 12'345);
+  // A new declaration does not override observations either.
+  m.lengths.seed_units(m.unit_len.data(), uint32_t(m.unit_len.size()), &m.scale, false);
+  m.lengths.begin_iteration();
+  CHECK(m.lengths.predict(BB_BUBBLE_STEADY) == m.true_len[0] - 12'345);
+}
+
+TEST_CASE("predictor_unit_seeds_with_skewed_times_stay_in_range") {
+  // Backward three times the forward, not the model's two: the scale still lands between
+  // the two real times, so no prediction is off by more than that ratio.
+  Measured m(1'000'000, 3'000'000);
+  const auto first = m.iterate(true);
+  const double per_unit = double(m.scale.observed_ns) / double(m.scale.model_units);
+  CHECK(per_unit > 1'000'000.0);
+  CHECK(per_unit < 1'500'000.0);
+  for (size_t i = 1; i < first.size(); ++i) {
+    CHECK(double(first[i]) >= double(m.unit_len[i]) * 1'000'000.0);
+    CHECK(double(first[i]) <= double(m.unit_len[i]) * 1'500'000.0 + 1);
+  }
+}
+
+TEST_CASE("predictor_unit_seeds_past_the_table_and_a_new_declaration") {
+  bb::core::UnitScale scale;
+  BubblePredictor gaps, lengths;
+  std::vector<uint64_t> units(BubblePredictor::kMaxPositions + 20, 3);
+  // More positions than the table holds: the rest is simply not seeded.
+  gaps.seed_units(units.data(), uint32_t(units.size()), &scale, true);
+  lengths.seed_units(units.data(), uint32_t(units.size()), &scale, false);
+  gaps.begin_iteration();
+  lengths.begin_iteration();
+  for (uint32_t i = 0; i < BubblePredictor::kMaxPositions + 10; ++i) {
+    gaps.observe(BB_BUBBLE_OTHER, 3000);
+    lengths.observe(BB_BUBBLE_STEADY, 1);
+  }
+  // Position 0 does not measure (work outside the schedule precedes it), 1..127 do.
+  CHECK(scale.model_units == 3 * (BubblePredictor::kMaxPositions - 1));
+  CHECK(scale.observed_ns == 3000 * (BubblePredictor::kMaxPositions - 1));
+  // A known-times declaration replaces the unit seeds of positions not yet observed.
+  BubblePredictor fresh;
+  fresh.seed_units(units.data(), 4, &scale, false);
+  fresh.begin_iteration();
+  CHECK(fresh.predict(BB_BUBBLE_STEADY) == 3000);  // 3 units at 1000 ns per unit
+  const uint64_t ns[] = {777};
+  fresh.seed(ns, 1);
+  CHECK(fresh.predict(BB_BUBBLE_STEADY) == 777);
+  fresh.observe(BB_BUBBLE_STEADY, 5);
+  CHECK(fresh.predict(BB_BUBBLE_COOLDOWN) == 0);  // position 1: the unit seed went with it
+  fresh.reset();
+  fresh.begin_iteration();
+  CHECK(fresh.predict(BB_BUBBLE_STEADY) == 0);
 }

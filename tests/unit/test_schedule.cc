@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
+#include <vector>
 
 using bb::core::closed_form_bubble_fraction;
 using bb::core::OpType;
@@ -268,4 +270,133 @@ TEST_CASE("schedule_kind_names_round_trip") {
   CHECK(k == ScheduleKind::kZBH1);
   CHECK_FALSE(bb::core::parse_schedule_kind("2f2b", &k));
   CHECK_FALSE(bb::core::parse_schedule_kind("", &k));
+}
+
+// ---- receive waits: how adapters number their bubbles -----------------------------------
+
+namespace {
+
+// What a framework receives per iteration (the adapters' PipelineSchedule.receives_per_iteration):
+// activations for every virtual stage but the first, gradients for every one but the last.
+size_t receives_per_iteration(const ScheduleParams& sp, uint32_t stage) {
+  const size_t virt = size_t{sp.microbatches} * sp.chunks;
+  return (virt - (stage == 0 ? sp.microbatches : 0)) +
+         (virt - (stage == sp.stages - 1 ? sp.microbatches : 0));
+}
+
+std::vector<ScheduleParams> receive_cases() {
+  std::vector<ScheduleParams> out;
+  for (uint64_t comm : {uint64_t{0}, uint64_t{150}}) {
+    out.push_back(make(ScheduleKind::kGPipe, 4, 6, 1000, 2000, 1, 0, comm));
+    out.push_back(make(ScheduleKind::k1F1B, 4, 8, 1000, 2000, 1, 0, comm));
+    out.push_back(make(ScheduleKind::k1F1B, 4, 2, 1000, 3000, 1, 0, comm));  // m < p
+    out.push_back(make(ScheduleKind::k1F1B, 2, 5, 700, 900, 1, 0, comm));
+    out.push_back(make(ScheduleKind::kInterleaved, 4, 8, 1200, 2400, 2, 0, comm));
+    out.push_back(make(ScheduleKind::kInterleaved, 2, 4, 900, 2700, 3, 0, comm));
+    out.push_back(make(ScheduleKind::kZBH1, 4, 8, 1000, 1000, 1, 1000, comm));
+    out.push_back(make(ScheduleKind::kZBH1, 3, 5, 1000, 1500, 1, 2500, comm));  // long W
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("schedule_receive_waits_count_every_receive_and_add_up_to_the_idle_time") {
+  for (const auto& sp : receive_cases()) {
+    const Schedule s = run(sp);
+    for (uint32_t st = 0; st < sp.stages; ++st) {
+      CAPTURE(bb::core::schedule_kind_name(sp.kind));
+      CAPTURE(sp.stages);
+      CAPTURE(sp.comm_ns);
+      CAPTURE(st);
+      const auto& tl = s.stages[st];
+      const auto waits = bb::core::receive_waits(s, st);
+      CHECK(waits.size() == receives_per_iteration(sp, st));
+      // Only the cool-down after the stage's last op waits for no receive.
+      const uint64_t trailing = s.iteration_ns - tl.ops.back().end_ns;
+      uint64_t sum = 0;
+      std::vector<std::pair<uint64_t, uint64_t>> nonzero;
+      for (const auto& w : waits) {
+        sum += w.duration_ns;
+        if (w.duration_ns) nonzero.emplace_back(w.start_ns, w.duration_ns);
+        CHECK(w.kind == (w.start_ns == 0 && st > 0 ? BB_BUBBLE_WARMUP : BB_BUBBLE_STEADY));
+      }
+      CHECK(sum == tl.idle_ns - trailing);
+      // Each idle interval before an op is exactly one receive wait, and the other waits are 0.
+      std::vector<std::pair<uint64_t, uint64_t>> idle;
+      for (const auto& b : tl.bubbles)
+        if (b.start_ns != tl.ops.back().end_ns) idle.emplace_back(b.start_ns, b.duration_ns);
+      CHECK(nonzero == idle);
+    }
+  }
+}
+
+TEST_CASE("schedule_receive_waits_1f1b_middle_stage") {
+  const auto sp = make(ScheduleKind::k1F1B, 4, 8, 1000, 2000);
+  const Schedule s = run(sp);
+  const auto waits = bb::core::receive_waits(s, 2);
+  REQUIRE(waits.size() == 16);
+  // Stage 2 first waits for two forwards upstream.
+  CHECK(waits[0].kind == BB_BUBBLE_WARMUP);
+  CHECK(waits[0].duration_ns == 2 * 1000);
+  // The first stage receives only gradients, the last only activations; one stage nothing.
+  CHECK(bb::core::receive_waits(s, 0).size() == 8);
+  CHECK(bb::core::receive_waits(s, 3).size() == 8);
+  CHECK(bb::core::receive_waits(s, 4).empty());
+  CHECK(bb::core::receive_waits(run(make(ScheduleKind::k1F1B, 1, 4, 1000, 2000)), 0).empty());
+}
+
+TEST_CASE("schedule_gaps_between_receive_waits_are_the_stage_compute") {
+  for (const auto& sp : receive_cases()) {
+    const Schedule s = run(sp);
+    for (uint32_t st = 0; st < sp.stages; ++st) {
+      CAPTURE(bb::core::schedule_kind_name(sp.kind));
+      CAPTURE(st);
+      const auto& tl = s.stages[st];
+      const auto waits = bb::core::receive_waits(s, st);
+      const auto gaps = bb::core::gaps_before(waits, s.iteration_ns);
+      REQUIRE(gaps.size() == waits.size());
+      // Waits and gaps tile the iteration.
+      uint64_t total = 0;
+      for (size_t i = 0; i < waits.size(); ++i) total += waits[i].duration_ns + gaps[i];
+      CHECK(total == s.iteration_ns);
+      // Past the first, a gap is the compute between two receives: no idle time hides in it,
+      // which is what lets the library measure a stage's speed from its gaps.
+      uint64_t compute = 0;
+      for (const auto& op : tl.ops)
+        if (op.start_ns >= waits.front().start_ns + waits.front().duration_ns &&
+            op.end_ns <= waits.back().start_ns)
+          compute += op.end_ns - op.start_ns;
+      uint64_t later_gaps = 0;
+      for (size_t i = 1; i < gaps.size(); ++i) later_gaps += gaps[i];
+      CHECK(later_gaps == compute);
+    }
+  }
+  CHECK(bb::core::gaps_before({}, 1000).empty());
+}
+
+TEST_CASE("schedule_unit_times_scale_to_any_proportional_times") {
+  // Measured times rely on this: the model at forward F, backward 2F is the unit model times F.
+  for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B, ScheduleKind::kInterleaved,
+                    ScheduleKind::kZBH1}) {
+    CAPTURE(bb::core::schedule_kind_name(kind));
+    const uint32_t v = kind == ScheduleKind::kInterleaved ? 3 : 1;
+    const bool zb = kind == ScheduleKind::kZBH1;
+    auto base = make(kind, 4, 8, 1, 1, v);
+    base.comm_ns = 77;
+    const ScheduleParams unit = bb::core::unit_times(base);
+    CHECK(unit.comm_ns == 0);
+    CHECK(unit.fwd_ns == v);
+    CHECK(unit.bwd_ns == (zb ? 1u : 2u) * v);
+    CHECK(unit.wgrad_ns == (zb ? 1u : 0u));
+    const uint64_t f = 4000 * v;  // real times with the same ratios
+    const Schedule u = run(unit), r = run(make(kind, 4, 8, f, zb ? f : 2 * f, v, zb ? f : 0));
+    const uint64_t k = f / v;
+    CHECK(r.iteration_ns == u.iteration_ns * k);
+    for (uint32_t st = 0; st < 4; ++st) {
+      const auto wu = bb::core::receive_waits(u, st), wr = bb::core::receive_waits(r, st);
+      REQUIRE(wu.size() == wr.size());
+      for (size_t i = 0; i < wu.size(); ++i) CHECK(wr[i].duration_ns == wu[i].duration_ns * k);
+    }
+  }
 }

@@ -11,15 +11,17 @@ from .errors import (BubbleError, Busy, CallbackFailed, Corrupt, HubFull, HubNot
                      Stopped, SystemCallError, Timeout, TrainerGone, Unsupported, VersionMismatch)
 from .grant import GrantBackend, GrantInfo, GrantState, GrantStats, TaskGrant
 from .task import OnTrainerExit, Outcome, SideTask, StartInfo, StepInfo, Task, WakeMode
-from .trainer import BubbleKind, ScheduleKind, TaskInfo, Trainer, TrainerStats
+from .trainer import (BubbleKind, ScheduleBubbles, ScheduleKind, TaskInfo, Trainer,
+                      TrainerStats)
 
 __all__ = [
     "BubbleError", "BubbleKind", "Busy", "CallbackFailed", "Corrupt", "GrantBackend",
     "GrantInfo", "GrantState", "GrantStats", "HubFull", "HubNotFound", "TaskGrant",
     "InvalidArgument", "InvalidState", "MEM_UNKNOWN", "OnTrainerExit", "OutOfMemory", "Outcome",
-    "PermissionDenied", "ScheduleKind", "SideTask", "StartInfo", "Status", "StepInfo", "Stopped",
-    "SystemCallError", "Task", "TaskInfo", "Timeout", "Trainer", "TrainerGone", "TrainerStats",
-    "Unsupported", "VersionMismatch", "WakeMode", "now_ns", "library_version", "__version__",
+    "PermissionDenied", "ScheduleBubbles", "ScheduleKind", "SideTask", "StartInfo", "Status",
+    "StepInfo", "Stopped", "SystemCallError", "Task", "TaskInfo", "Timeout", "Trainer",
+    "TrainerGone", "TrainerStats", "Unsupported", "VersionMismatch", "WakeMode", "now_ns",
+    "library_version", "__version__",
 ]
 
 __version__ = "0.1.0"

@@ -31,7 +31,7 @@ class ScheduleC(Structure):
     _fields_ = [("size", c_uint32), ("kind", c_uint32), ("stages", c_uint32),
                 ("microbatches", c_uint32), ("chunks", c_uint32), ("stage", c_uint32),
                 ("fwd_ns", c_uint64), ("bwd_ns", c_uint64), ("wgrad_ns", c_uint64),
-                ("comm_ns", c_uint64)]
+                ("comm_ns", c_uint64), ("bubbles", c_uint32), ("reserved0_", c_uint32)]
 
 
 class TrainerStatsC(Structure):

@@ -12,6 +12,12 @@ wait becomes a bubble on the stage's Trainer; the model and the schedule stay un
 
 Only code that calls them as torch.distributed.recv/irecv is covered; a name imported with
 `from torch.distributed import recv` before install() keeps the unwrapped function.
+
+Given the schedule (schedule=PipelineSchedule(stages, stage, micro_batches)), P2PBubbles
+publishes it to the predictor, one bubble per receive with the times measured by the library,
+so deadlines are predicted from the first iteration on; every receive is then a bubble, also
+one whose data is already there, so the numbering stays the schedule's. Receives the schedule
+does not know (a loss sent back after the iteration) belong after its last receive.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from typing import Any, Iterator
 import torch.distributed as dist
 
 from . import now_ns
+from .adapters._common import PipelineSchedule, publish_schedule
 from .trainer import BubbleKind, Trainer
 
 
@@ -53,10 +60,13 @@ class P2PBubbles:
     expected: the bubble length to announce in seconds (None: the library predicts it from
     the same bubble of earlier iterations, numbered from each iteration() call).
     record: keep a BubbleRecord per bubble in `records` (for tests and traces).
+    schedule: the pipeline schedule this stage runs, published to the predictor (`published`
+    says whether the model took it); None publishes nothing and reports only waits that wait.
     """
 
     def __init__(self, trainer: Trainer, *, expected: float | None = None,
-                 free_mem: int | None = None, record: bool = False) -> None:
+                 free_mem: int | None = None, record: bool = False,
+                 schedule: PipelineSchedule | None = None) -> None:
         self.trainer = trainer
         self.expected = expected
         self.free_mem = free_mem
@@ -64,6 +74,8 @@ class P2PBubbles:
         self.records: list[BubbleRecord] | None = [] if record else None
         self.bubbles = 0
         self._saved: dict[str, Any] | None = None
+        self.schedule = schedule
+        self.published = schedule is not None and publish_schedule(trainer, schedule)
 
     # ---- installation -----------------------------------------------------------------------
 
@@ -119,7 +131,9 @@ class P2PBubbles:
     # ---- the hook ---------------------------------------------------------------------------
 
     def _wait(self, work: Any, *args: Any, **kwargs: Any) -> Any:
-        if work.is_completed():  # the data is already here: no idle time to hand out
+        # Data already here means no idle time to hand out, but a published schedule numbers
+        # every receive: skipping one would shift the rest of the iteration.
+        if not self.published and work.is_completed():
             return work.wait(*args, **kwargs)
         with self._bubble():
             return work.wait(*args, **kwargs)

@@ -28,6 +28,12 @@ class ScheduleKind(enum.IntEnum):
     ZBH1 = 3         # zero-bubble H1: backward split into input and weight parts
 
 
+class ScheduleBubbles(enum.IntEnum):
+    """What the trainer reports as one bubble, which fixes how bubbles are numbered."""
+    IDLE = 0      # each idle interval of the stage in the schedule model
+    RECEIVES = 1  # one per point-to-point receive, waited or not (as the adapters report)
+
+
 @dataclass(frozen=True)
 class TrainerStats:
     tasks_attached: int
@@ -146,16 +152,24 @@ class Trainer:
         check(lib.bb_trainer_iteration(self._handle))
 
     def set_schedule(self, kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B, *, stages: int,
-                     microbatches: int, stage: int, fwd: float, bwd: float, wgrad: float = 0.0,
-                     comm: float = 0.0, chunks: int = 1) -> None:
+                     microbatches: int, stage: int, fwd: float | None = None,
+                     bwd: float | None = None, wgrad: float = 0.0, comm: float = 0.0,
+                     chunks: int = 1, bubbles: ScheduleBubbles = ScheduleBubbles.IDLE) -> None:
         """Declares the pipeline schedule (times in seconds), so the predictor knows each
-        bubble's length from the first iteration on. Call it from the training loop's thread
-        before an iteration. Raises InvalidArgument naming what the schedule model rejects."""
+        bubble's length from the first iteration on. fwd and bwd None: the times are unknown
+        and the library measures them from the compute between bubbles (wgrad and comm must
+        stay 0 then). bubbles: what one bubble is (the numbering of bubble_begin calls in an
+        iteration). Call it from the training loop's thread before an iteration. Raises
+        InvalidArgument naming what the schedule model rejects."""
+        if (fwd is None) != (bwd is None):
+            raise ValueError("give both fwd and bwd, or neither (None: measure them)")
         sc = _lib.ScheduleC()
         lib.bb_schedule_init(ctypes.byref(sc))
         sc.kind = int(kind)
         sc.stages, sc.microbatches, sc.stage, sc.chunks = stages, microbatches, stage, chunks
-        sc.fwd_ns, sc.bwd_ns, sc.wgrad_ns, sc.comm_ns = _ns(fwd), _ns(bwd), _ns(wgrad), _ns(comm)
+        sc.fwd_ns, sc.bwd_ns = _ns(fwd), _ns(bwd)
+        sc.wgrad_ns, sc.comm_ns = _ns(wgrad), _ns(comm)
+        sc.bubbles = int(ScheduleBubbles(bubbles))
         check(lib.bb_trainer_set_schedule(self._handle, ctypes.byref(sc)))
 
     def stats(self) -> TrainerStats:

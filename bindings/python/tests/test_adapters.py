@@ -15,7 +15,7 @@ import types
 import pytest
 
 import bubble
-from bubble.adapters import PipelineSchedule
+from bubble.adapters import PipelineSchedule, WaitReporter
 from bubble.adapters.deepspeed import DeepSpeedBubbles
 from bubble.adapters.megatron import BubbleTimers
 from bubble.adapters.torch_pipelining import PipeliningBubbles
@@ -59,6 +59,93 @@ def test_schedule_kinds_first_wait_of_a_later_stage_is_warmup():
 def test_schedule_rejects_what_cannot_be(kw, says):
     with pytest.raises(ValueError, match=says):
         PipelineSchedule(**kw)
+
+
+# ---- publishing the schedule to the predictor ----------------------------------------------------
+
+class _Side:
+    """A side task on a thread that takes each start, says so, and acks the pause: the waits
+    of a test block until the task runs in them, so each start is seen, whatever the load."""
+
+    def __init__(self, task: bubble.Task, starts: int) -> None:
+        self.task, self.starts = task, []
+        self.started, self.idle = threading.Event(), threading.Event()
+        self.idle.set()
+        self._thread = Background(lambda: self._run(starts))
+
+    def _run(self, n: int) -> None:
+        for _ in range(n):
+            start = self.task.wait_start(timeout=20)
+            assert start is not None, "the trainer never started the side task"
+            self.starts.append(start)
+            self.idle.clear()
+            self.started.set()
+            assert eventually(self.task.should_pause)
+            self.started.clear()
+            self.task.ack_pause()
+            self.idle.set()
+
+    def join(self) -> None:
+        self._thread.join_result()
+
+
+def _first_iteration(job: str, publish: bool) -> tuple[WaitReporter, list]:
+    """A 1F1B p=4 m=8 stage-2 iteration reported as the adapters do, one bubble per receive,
+    with a real side task started in every one; returns the reporter and the task's starts."""
+    sched = PipelineSchedule(stages=4, stage=2, micro_batches=8)
+    waits = sched.receives_per_iteration()
+    with bubble.Trainer(job, 0) as trainer, bubble.Task(job, 0, "side") as task:
+        assert eventually(lambda: trainer.stats().tasks_attached == 1)
+        rep = WaitReporter(trainer, sched, publish=publish)
+        side = _Side(task, waits)
+        rep.iteration()
+        for _ in range(waits):
+            assert side.idle.wait(20)  # "compute": the task has acked the last pause
+            time.sleep(0.001)
+            with rep.wait("recv"):
+                assert side.started.wait(20)
+        side.join()
+        return rep, side.starts
+
+
+def test_wait_reporter_publishes_the_schedule_and_the_first_iteration_has_deadlines(job):
+    rep, starts = _first_iteration(job, publish=True)
+    assert rep.published
+    assert len(starts) == 16
+    # Nothing is known before the first compute; from the second receive on every bubble has
+    # a deadline, from the model scaled by the compute measured so far.
+    assert starts[0].deadline_ns == 0
+    assert all(s.deadline_ns > s.begin_ns for s in starts[1:])
+
+
+def test_wait_reporter_without_publishing_has_no_deadline_for_the_first_steady_wait(job):
+    rep, starts = _first_iteration(job, publish=False)
+    assert not rep.published
+    assert [s.kind for s in starts[:2]] == [K.WARMUP, K.STEADY]
+    assert starts[0].deadline_ns == 0
+    assert starts[1].deadline_ns == 0  # no steady wait seen yet, no schedule known
+
+
+def test_a_schedule_the_model_rejects_is_not_published_and_says_why(job):
+    with bubble.Trainer(job, 0) as trainer:
+        sched = PipelineSchedule(stages=4, stage=1, micro_batches=6, kind="interleaved", chunks=2)
+        with pytest.warns(RuntimeWarning, match="not published.*multiple of stages"):
+            rep = WaitReporter(trainer, sched)
+        assert not rep.published
+        with rep.wait("recv"):  # reporting still works
+            pass
+        assert trainer.stats().bubbles == 1
+
+
+def test_trainer_set_schedule_measures_unknown_times(job):
+    with bubble.Trainer(job, 0) as trainer:
+        trainer.set_schedule(bubble.ScheduleKind.ZBH1, stages=4, microbatches=8, stage=3,
+                             bubbles=bubble.ScheduleBubbles.RECEIVES)
+        trainer.set_schedule(stages=4, microbatches=8, stage=3, fwd=0.001, bwd=0.002)
+        with pytest.raises(ValueError, match="both fwd and bwd"):
+            trainer.set_schedule(stages=4, microbatches=8, stage=3, fwd=0.001)
+        with pytest.raises(bubble.InvalidArgument, match="comm_ns"):
+            trainer.set_schedule(stages=4, microbatches=8, stage=3, comm=0.001)
 
 
 # ---- the real frameworks -----------------------------------------------------------------------
@@ -165,6 +252,7 @@ def test_standin_pipelining_waits_that_wait_become_bubbles_of_the_schedule(job):
             mod._wait_batch_p2p([_Work(0.01)])
         assert mod.waited == 5
         assert a.iterations == 2
+        assert not a.published  # without _batch_p2p it cannot number receives: nothing published
         assert [(r.iteration, r.index, r.kind) for r in a.records] == [
             (1, 0, K.WARMUP), (1, 1, K.STEADY), (2, 0, K.WARMUP)]
         assert trainer.stats().bubbles == 3
@@ -191,6 +279,57 @@ def test_standin_pipelining_wait_starts_a_real_side_task(job):
         assert eventually(task.should_pause)
         task.ack_pause()
         assert trainer.stats().bubbles == 1
+
+
+def _pipelining_standin_with_batches():
+    """The module as torch >= 2.5 has it: _batch_p2p(ops, desc) batches sends and receives,
+    _wait_batch_p2p(works) waits for one batch."""
+    mod = types.ModuleType("schedules_standin_batches")
+    mod.waited = 0
+
+    def _batch_p2p(ops, desc=None):
+        return [op.work for op in ops]
+
+    def _wait_batch_p2p(works):
+        for w in works:
+            w.wait()
+        mod.waited += 1
+    mod._batch_p2p, mod._wait_batch_p2p = _batch_p2p, _wait_batch_p2p
+
+    class Schedule1F1B:
+        def __init__(self, stage, n):
+            self._stage, self._n_microbatches = stage, n
+
+        def step(self, plan):
+            for desc, delay in plan:  # e.g. ("fwd_recv", 0.01), ("bwd_send", 0.0)
+                ops = [types.SimpleNamespace(work=_Work(delay))]
+                mod._wait_batch_p2p(mod._batch_p2p(ops, desc=desc))
+            return "loss"
+    mod.Schedule1F1B = Schedule1F1B
+    return mod
+
+
+def test_standin_pipelining_publishes_and_numbers_every_receive(job):
+    mod = _pipelining_standin_with_batches()
+    orig_batch = mod._batch_p2p
+    sched = mod.Schedule1F1B(types.SimpleNamespace(num_stages=4, stage_index=2), 8)
+    with bubble.Trainer(job, 0) as trainer:
+        a = PipeliningBubbles(trainer, sched, module=mod, record=True)
+        assert not a.published  # not before the module is known to batch receives
+        with a:
+            assert a.published
+            # Receives are bubbles even when their data is already there (the numbering stays
+            # the schedule's); sends are not, even when they wait.
+            sched.step([("fwd_recv", 0.005), ("fwd_send", 0.005), ("bwd_recv", 0.0),
+                        ("fwd_send_bwd_recv", 0.0), ("bwd_send", 0.0)])
+            # Batches made outside the schedule's step() are not ours.
+            mod._wait_batch_p2p(mod._batch_p2p([types.SimpleNamespace(work=_Work(0.0))],
+                                               desc="fwd_recv"))
+        assert mod.waited == 6
+        assert [(r.index, r.kind) for r in a.records] == [(0, K.WARMUP), (1, K.STEADY),
+                                                         (2, K.STEADY)]
+        assert trainer.stats().bubbles == 3
+        assert mod._batch_p2p is orig_batch  # uninstalled
 
 
 def _deepspeed_standin():
@@ -254,6 +393,7 @@ def test_standin_deepspeed_receive_instructions_become_bubbles(job):
     with bubble.Trainer(job, 0) as trainer:
         with DeepSpeedBubbles(trainer, engine, schedule_module=sched, record=True) as a:
             assert a.schedule == PipelineSchedule(stages=3, stage=1, micro_batches=2)
+            assert a.published
             assert engine.train_batch() == 0.5
             assert engine.train_batch() == 0.5
         assert [r.name for r in a.records] == ["RecvActivation"] * 2 + ["RecvGrad"] * 2 + \
@@ -321,6 +461,7 @@ def test_standin_megatron_recv_phases_are_bubbles_and_the_rest_passes_through(jo
     with bubble.Trainer(job, 0) as trainer:
         timers = BubbleTimers(trainer, PipelineSchedule(stages=2, stage=1, micro_batches=2),
                               inner=inner, record=True)
+        assert timers.published
         config = types.SimpleNamespace(timers=timers)
         fb = timers.wrap(forward_backward)
         assert fb(config, 2) == ["loss"]

@@ -137,13 +137,27 @@ BB_API bb_status bb_bubble_end(bb_trainer_h trainer);
 BB_API bb_status bb_trainer_iteration(bb_trainer_h trainer);
 
 /* A declared pipeline schedule, so the predictor knows each bubble's length from the first
- * iteration on (observed lengths replace the declared ones as they come). */
+ * iteration on (observed lengths replace the declared ones as they come). The times may be
+ * left unknown: the library then measures them in the first iteration (see fwd_ns). */
 typedef enum bb_schedule_kind {
   BB_SCHEDULE_GPIPE = 0,       /* all forwards, then all backwards */
   BB_SCHEDULE_1F1B = 1,        /* one forward, one backward (PipeDream-flush, Megatron) */
   BB_SCHEDULE_INTERLEAVED = 2, /* interleaved 1F1B with `chunks` model chunks per stage */
   BB_SCHEDULE_ZBH1 = 3         /* zero-bubble H1: backward split into input and weight parts */
 } bb_schedule_kind;
+
+/* What the trainer reports as one bubble, which fixes how bubbles are numbered in an
+ * iteration. */
+typedef enum bb_schedule_bubbles {
+  /* Each idle interval of this stage in the schedule model (zero-length ones skipped). */
+  BB_SCHEDULE_BUBBLES_IDLE = 0,
+  /* One bubble per point-to-point receive, as framework adapters report waits: for each op of
+   * this stage that needs a tensor from a neighbour (the forward of every virtual stage but the
+   * first, the backward of every virtual stage but the last; ZB-H1 weight passes receive
+   * nothing), in execution order, the idle time right before it (0 when the input is already
+   * there: report such a receive as a bubble too, or the numbering slips). */
+  BB_SCHEDULE_BUBBLES_RECEIVES = 1
+} bb_schedule_bubbles;
 
 typedef struct bb_schedule_t {
   uint32_t size;
@@ -152,20 +166,32 @@ typedef struct bb_schedule_t {
   uint32_t microbatches;  /* m >= 1 */
   uint32_t chunks;        /* interleaved only: v >= 2 (m a multiple of p); else 1 */
   uint32_t stage;         /* this trainer's stage, 0..p-1 */
-  uint64_t fwd_ns;        /* one micro-batch's forward through a whole stage */
+  /* One micro-batch's forward through a whole stage. fwd_ns = bwd_ns = 0 (with wgrad_ns and
+   * comm_ns 0) means "unknown, measure them": the model runs with forward 1 and backward 2
+   * units (ZB-H1: 1 each for forward, input and weight gradient) and is scaled by the compute
+   * the trainer observes between its bubbles, from the second bubble of the first iteration
+   * on. Exact when the real times keep those ratios; off by the ratio's error otherwise. */
+  uint64_t fwd_ns;
   uint64_t bwd_ns;        /* its backward (ZB-H1: the input-gradient part) */
   uint64_t wgrad_ns;      /* ZB-H1: the weight-gradient part; else 0 */
   uint64_t comm_ns;       /* point-to-point transfer between stages; may be 0 */
+  uint32_t bubbles;       /* bb_schedule_bubbles; default BB_SCHEDULE_BUBBLES_IDLE */
+  uint32_t reserved0_;
 } bb_schedule_t;
 
-#define BB_SCHEDULE_INIT {sizeof(bb_schedule_t), BB_SCHEDULE_1F1B, 0u, 0u, 1u, 0u, 0u, 0u, 0u, 0u}
+#define BB_SCHEDULE_INIT \
+  {sizeof(bb_schedule_t), BB_SCHEDULE_1F1B, 0u, 0u, 1u, 0u, 0u, 0u, 0u, 0u, \
+   BB_SCHEDULE_BUBBLES_IDLE, 0u}
 BB_API void bb_schedule_init(bb_schedule_t *schedule);
 
 /* Declares the schedule: the predictor is seeded with this stage's bubble lengths and the gaps
  * between them, so bb_bubble_begin(expected_ns = 0) and predictive wake are right from the first
- * iteration. Seeds take effect by position within an iteration, so mark iterations with
- * bb_trainer_iteration. Call it from the bubble thread before an iteration (it runs the schedule
- * model: not bounded-time). BB_E_INVALID names what the schedule model rejects. */
+ * iteration (with measured times: from the second bubble of it). Seeds take effect by position
+ * within an iteration, so mark iterations with bb_trainer_iteration. The predictor keeps 128
+ * positions per iteration: bubbles past the 128th are not seeded and fall back to the history
+ * of their kind. A new declaration replaces the previous one; observed lengths stay. Call it
+ * from the bubble thread before an iteration (it runs the schedule model: not bounded-time).
+ * BB_E_INVALID names what the schedule model rejects. */
 BB_API bb_status bb_trainer_set_schedule(bb_trainer_h trainer, const bb_schedule_t *schedule);
 
 typedef struct bb_trainer_stats_t {

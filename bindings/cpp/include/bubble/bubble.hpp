@@ -129,6 +129,13 @@ enum class schedule_kind : uint32_t {
   zbh1 = BB_SCHEDULE_ZBH1,                // zero-bubble H1: backward split in input/weight parts
 };
 
+// What one bubble is, which fixes how bubbles are numbered in an iteration.
+enum class schedule_bubbles : uint32_t {
+  idle = BB_SCHEDULE_BUBBLES_IDLE,          // each idle interval of the stage in the model
+  receives = BB_SCHEDULE_BUBBLES_RECEIVES,  // one per point-to-point receive, waited or not
+};
+
+// fwd = bwd = 0 (and wgrad, comm 0): times unknown, the library measures them.
 struct schedule {
   schedule_kind kind = schedule_kind::one_f_one_b;
   uint32_t stages = 0;        // p >= 1
@@ -139,6 +146,7 @@ struct schedule {
   std::chrono::nanoseconds bwd{0};    // its backward (zbh1: the input-gradient part)
   std::chrono::nanoseconds wgrad{0};  // zbh1: the weight-gradient part
   std::chrono::nanoseconds comm{0};   // point-to-point transfer between stages
+  schedule_bubbles bubbles = schedule_bubbles::idle;
 };
 
 // ------------------------------------------------------------------------------------------
@@ -271,6 +279,7 @@ class trainer {
     c.bwd_ns = detail::to_ns(sc.bwd);
     c.wgrad_ns = detail::to_ns(sc.wgrad);
     c.comm_ns = detail::to_ns(sc.comm);
+    c.bubbles = static_cast<uint32_t>(sc.bubbles);
     detail::check(bb_trainer_set_schedule(h_.get(), &c));
   }
 

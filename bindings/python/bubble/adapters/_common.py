@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
 from .. import now_ns
-from ..trainer import BubbleKind, Trainer
+from ..errors import InvalidArgument
+from ..trainer import BubbleKind, ScheduleBubbles, ScheduleKind, Trainer
 
 _KINDS = ("gpipe", "1f1b", "interleaved", "zbh1")
+_SCHEDULE_KINDS = {"gpipe": ScheduleKind.GPIPE, "1f1b": ScheduleKind.ONE_F_ONE_B,
+                   "interleaved": ScheduleKind.INTERLEAVED, "zbh1": ScheduleKind.ZBH1}
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,23 @@ class PipelineSchedule:
         return BubbleKind.STEADY
 
 
+def publish_schedule(trainer: Trainer, s: PipelineSchedule) -> bool:
+    """Declares `s` to the trainer's predictor: one bubble per receive, times measured by the
+    library. A schedule the model cannot simulate is not published: a RuntimeWarning says why
+    and False comes back (bubbles are then predicted from observations only)."""
+    try:
+        trainer.set_schedule(_SCHEDULE_KINDS[s.kind], stages=s.stages,
+                             microbatches=s.micro_batches, stage=s.stage, chunks=s.chunks,
+                             bubbles=ScheduleBubbles.RECEIVES)
+    except InvalidArgument as exc:
+        warnings.warn(f"bubble: the {s.kind} schedule (stages={s.stages}, "
+                      f"micro_batches={s.micro_batches}, chunks={s.chunks}) is not published "
+                      f"to the predictor: {exc}; bubbles are predicted from observations only",
+                      RuntimeWarning, stacklevel=4)
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class WaitRecord:
     iteration: int
@@ -64,16 +85,25 @@ class WaitRecord:
 
 
 class WaitReporter:
-    """Opens one bubble per wait on the trainer and numbers waits per iteration.
+    """Opens one bubble per receive on the trainer and numbers them per iteration.
+
+    On construction it publishes the schedule to the trainer's predictor
+    (Trainer.set_schedule with bubbles=RECEIVES and the times unknown): the n-th bubble of an
+    iteration is the n-th receive of the schedule model, whose lengths the library scales by
+    the compute it measures between bubbles, so predictions (deadlines, predictive wake) start
+    in the first iteration instead of the second. A schedule the model cannot simulate is not
+    published (a RuntimeWarning says why); bubbles are then predicted from observations only.
 
     expected: announced bubble length in seconds (None: the library predicts it per position);
     free_mem: device bytes side tasks may use during waits (None: unknown);
-    record: keep a WaitRecord per wait in `records`.
+    record: keep a WaitRecord per wait in `records`;
+    publish: publish the schedule now (an adapter that must first check the framework passes
+    False and calls publish_schedule() itself).
     """
 
     def __init__(self, trainer: Trainer, schedule: PipelineSchedule, *,
                  expected: float | None = None, free_mem: int | None = None,
-                 record: bool = False) -> None:
+                 record: bool = False, publish: bool = True) -> None:
         self.trainer = trainer
         self.schedule = schedule
         self.expected = expected
@@ -81,8 +111,17 @@ class WaitReporter:
         self.records: list[WaitRecord] | None = [] if record else None
         self.iterations = 0
         self.waits = 0              # all waits reported
+        self.published = False      # the predictor knows the schedule
         self._index = 0             # waits in the current iteration
         self._open = False
+        if publish:
+            self.publish_schedule()
+
+    def publish_schedule(self) -> bool:
+        """Declares the schedule to the trainer: one bubble per receive, times measured.
+        Returns whether the schedule model took it."""
+        self.published = publish_schedule(self.trainer, self.schedule)
+        return self.published
 
     def iteration(self) -> None:
         """A training iteration starts: the predictor counts bubble positions from here."""

@@ -9,7 +9,11 @@ inside a bubble, and wraps ``train_batch``/``eval_batch`` to mark iterations:
         for _ in range(steps):
             engine.train_batch()
 
-The schedule (stages, stage, micro-batches) is read from the engine.
+The schedule (stages, stage, micro-batches; DeepSpeed's TrainSchedule is 1F1B) is read from the
+engine and published to the predictor on construction: one bubble per receive instruction,
+times measured (WaitReporter), so deadlines are predicted from the first iteration on. Every
+receive instruction is a bubble, also one whose data is already there, which keeps the
+numbering in step with the schedule.
 """
 from __future__ import annotations
 

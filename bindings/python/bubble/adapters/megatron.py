@@ -10,6 +10,13 @@ each start and stop when their barrier is asked; these never do.
                           inner=config.timers)
     config.timers = timers
     forward_backward = timers.wrap(get_forward_backward_func())   # marks iterations
+
+The schedule given is published to the predictor on construction: one bubble per *-recv phase,
+times measured (WaitReporter), so deadlines are predicted from the first iteration on.
+Megatron times a receive only where the stage has a neighbour to receive from, which matches
+the schedule model's receives for 1F1B. Its interleaved schedule may fuse two receives into one
+phase ("forward-backward-send-forward-backward-recv"): the first iteration's predictions are
+then off by a position or more; observations take over from the second.
 """
 from __future__ import annotations
 

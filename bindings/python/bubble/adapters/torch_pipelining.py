@@ -1,17 +1,25 @@
-"""torch.distributed.pipelining (torch >= 2.4): one bubble per point-to-point wait of a schedule.
+"""torch.distributed.pipelining (torch >= 2.4): one bubble per point-to-point receive of a schedule.
 
-Every schedule of that package waits for its batched sends and receives in one function,
-``schedules._wait_batch_p2p(works)``; the adapter wraps it while installed, and wraps the
-schedule's ``step()`` to mark iterations. Nothing else changes:
+Every schedule of that package batches its sends and receives with ``schedules._batch_p2p(ops,
+desc)`` and waits for them in ``schedules._wait_batch_p2p(works)``; the adapter wraps both while
+installed, and wraps the schedule's ``step()`` to mark iterations. Nothing else changes:
 
     schedule = Schedule1F1B(stage, n_microbatches=8, loss_fn=loss)
     with bubble.Trainer(job, rank) as trainer, PipeliningBubbles(trainer, schedule):
         for batch in data:
-            schedule.step(batch)            # each wait that really waits is a bubble
+            schedule.step(batch)            # each wait for a receive is a bubble
 
-Works that already completed are not reported (no idle time to hand out). With NCCL, wait()
-returns once the GPU stream waits, not when the data is there; the host-side bubble then ends
-early. Use the NCCL profiler plugin (docs/FIND_MY_BUBBLES.md) for the device timeline.
+On install the adapter publishes the schedule it read from the schedule object (kind, stages,
+this stage, micro-batches, chunks) to the predictor, one bubble per receive with the times
+measured (WaitReporter), so deadlines are predicted from the first iteration on. To keep the
+numbering in step with the schedule, every wait for a batch that holds a receive is a bubble,
+even one whose data is already there (a bubble of a few microseconds), and waits for sends
+alone are not. A module without ``_batch_p2p`` (an older torch) cannot tell sends from
+receives: there the adapter reports every wait that really waits and publishes nothing.
+
+With NCCL, wait() returns once the GPU stream waits, not when the data is there; the host-side
+bubble then ends early. Use the NCCL profiler plugin (docs/FIND_MY_BUBBLES.md) for the device
+timeline.
 """
 from __future__ import annotations
 
@@ -60,44 +68,70 @@ class PipeliningBubbles(WaitReporter):
 
     def __init__(self, trainer: Trainer, schedule: Any, *, module: ModuleType | None = None,
                  **kw: Any) -> None:
-        super().__init__(trainer, schedule_of(schedule), **kw)
+        super().__init__(trainer, schedule_of(schedule), publish=False, **kw)
         self._sched = schedule
         self._module = module
-        self._saved: tuple[Any, Any] | None = None
+        self._saved: tuple[Any, Any, Any] | None = None
+        # Work batches of the running step() that hold a receive, by id (the batch is kept so
+        # its id cannot be reused before it is waited for).
+        self._receiving: dict[int, Any] = {}
 
     def install(self) -> None:
         if self._saved is not None:
             raise RuntimeError("PipeliningBubbles is already installed")
         mod = self._module or _schedules_module()
         orig_wait, orig_step = mod._wait_batch_p2p, self._sched.step
+        orig_batch = getattr(mod, "_batch_p2p", None)
         reporter = self
 
-        def _wait_batch_p2p(works, *args, **kwargs):
-            # Only waits made inside our schedule's step() are ours; another schedule in the
+        def ours() -> bool:
+            # Only calls made inside our schedule's step() are ours; another schedule in the
             # process (or a module-level caller) passes straight through.
-            if getattr(_active, "reporter", None) is not reporter or not _pending(works):
+            return getattr(_active, "reporter", None) is reporter
+
+        def _batch_p2p(ops, *args, **kwargs):
+            works = orig_batch(ops, *args, **kwargs)
+            if ours() and _receives(ops, args, kwargs):
+                reporter._receiving[id(works)] = works
+            return works
+
+        def _wait_batch_p2p(works, *args, **kwargs):
+            if not ours():
+                return orig_wait(works, *args, **kwargs)
+            if orig_batch is not None:
+                if reporter._receiving.pop(id(works), None) is None:  # sends only
+                    return orig_wait(works, *args, **kwargs)
+            elif not _pending(works):
                 return orig_wait(works, *args, **kwargs)
             with reporter.wait("p2p"):
                 return orig_wait(works, *args, **kwargs)
 
         def step(*args, **kwargs):
             reporter.iteration()
+            reporter._receiving.clear()
             outer = getattr(_active, "reporter", None)
             _active.reporter = reporter
             try:
                 return orig_step(*args, **kwargs)
             finally:
                 _active.reporter = outer
+                reporter._receiving.clear()
 
         mod._wait_batch_p2p = _wait_batch_p2p
+        if orig_batch is not None:
+            mod._batch_p2p = _batch_p2p
         self._sched.step = step
-        self._saved = (mod, orig_wait)
+        self._saved = (mod, orig_wait, orig_batch)
+        if orig_batch is not None and not self.published:
+            self.publish_schedule()
 
     def uninstall(self) -> None:
         if self._saved is None:
             return
-        mod, orig_wait = self._saved
+        mod, orig_wait, orig_batch = self._saved
         mod._wait_batch_p2p = orig_wait
+        if orig_batch is not None:
+            mod._batch_p2p = orig_batch
         del self._sched.step  # the instance attribute; the class's method shows again
         self._saved = None
 
@@ -107,6 +141,16 @@ class PipeliningBubbles(WaitReporter):
 
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
+
+
+def _receives(ops: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a batch of P2POps holds a receive: by its description ("fwd_recv",
+    "bwd_send_fwd_recv", ...) where the caller gives one, else by the ops' functions."""
+    desc = kwargs.get("desc", args[0] if args else None)
+    if isinstance(desc, str):
+        return "recv" in desc
+    return any(getattr(getattr(op, "op", None), "__name__", "") in ("irecv", "recv")
+               for op in ops or [])
 
 
 def _pending(works: Any) -> bool:

@@ -234,6 +234,9 @@ pub const BB_SCHEDULE_1F1B: bb_schedule_kind = 1;
 pub const BB_SCHEDULE_INTERLEAVED: bb_schedule_kind = 2;
 pub const BB_SCHEDULE_ZBH1: bb_schedule_kind = 3;
 pub type bb_schedule_kind = ::std::os::raw::c_uint;
+pub const BB_SCHEDULE_BUBBLES_IDLE: bb_schedule_bubbles = 0;
+pub const BB_SCHEDULE_BUBBLES_RECEIVES: bb_schedule_bubbles = 1;
+pub type bb_schedule_bubbles = ::std::os::raw::c_uint;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct bb_schedule_t {
@@ -247,12 +250,14 @@ pub struct bb_schedule_t {
     pub bwd_ns: u64,
     pub wgrad_ns: u64,
     pub comm_ns: u64,
+    pub bubbles: u32,
+    pub reserved0_: u32,
 }
 #[test]
 fn bindgen_test_layout_bb_schedule_t() {
     assert_eq!(
         ::std::mem::size_of::<bb_schedule_t>(),
-        56usize,
+        64usize,
         concat!("Size of: ", stringify!(bb_schedule_t))
     );
     assert_eq!(
@@ -430,6 +435,40 @@ fn bindgen_test_layout_bb_schedule_t() {
         );
     }
     test_field_comm_ns();
+    fn test_field_bubbles() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_schedule_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).bubbles) as usize - ptr as usize
+            },
+            56usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_schedule_t),
+                "::",
+                stringify!(bubbles)
+            )
+        );
+    }
+    test_field_bubbles();
+    fn test_field_reserved0_() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_schedule_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved0_) as usize - ptr as usize
+            },
+            60usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_schedule_t),
+                "::",
+                stringify!(reserved0_)
+            )
+        );
+    }
+    test_field_reserved0_();
 }
 extern "C" {
     pub fn bb_schedule_init(schedule: *mut bb_schedule_t);

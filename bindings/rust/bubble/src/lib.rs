@@ -31,7 +31,8 @@ pub use task::{
     TimeLeft, WakeMode,
 };
 pub use trainer::{
-    BubbleGuard, BubbleKind, Schedule, ScheduleKind, TaskInfo, Trainer, TrainerOptions, TrainerStats,
+    BubbleGuard, BubbleKind, Schedule, ScheduleBubbles, ScheduleKind, TaskInfo, Trainer,
+    TrainerOptions, TrainerStats,
 };
 
 /// The version of the loaded libbubble ("0.1.0").

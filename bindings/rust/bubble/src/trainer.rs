@@ -54,8 +54,19 @@ pub enum ScheduleKind {
     ZbH1,
 }
 
+/// What one bubble is, which fixes how bubbles are numbered in an iteration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ScheduleBubbles {
+    /// Each idle interval of the stage in the schedule model.
+    #[default]
+    Idle,
+    /// One bubble per point-to-point receive, waited or not (as framework adapters report).
+    Receives,
+}
+
 /// A declared pipeline schedule, so the predictor knows each bubble's length from the first
-/// iteration on; `Default` is 1F1B with nothing else set.
+/// iteration on; `Default` is 1F1B with nothing else set. Zero `fwd` and `bwd` (and `wgrad`,
+/// `comm`) mean the times are unknown: the library measures them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Schedule {
     pub kind: ScheduleKind,
@@ -75,6 +86,8 @@ pub struct Schedule {
     pub wgrad: Duration,
     /// Point-to-point transfer between stages.
     pub comm: Duration,
+    /// What one bubble is.
+    pub bubbles: ScheduleBubbles,
 }
 
 impl Default for Schedule {
@@ -89,6 +102,7 @@ impl Default for Schedule {
             bwd: Duration::ZERO,
             wgrad: Duration::ZERO,
             comm: Duration::ZERO,
+            bubbles: ScheduleBubbles::Idle,
         }
     }
 }
@@ -213,6 +227,10 @@ impl Trainer {
         c.bwd_ns = duration_ns(schedule.bwd);
         c.wgrad_ns = duration_ns(schedule.wgrad);
         c.comm_ns = duration_ns(schedule.comm);
+        c.bubbles = match schedule.bubbles {
+            ScheduleBubbles::Idle => sys::BB_SCHEDULE_BUBBLES_IDLE,
+            ScheduleBubbles::Receives => sys::BB_SCHEDULE_BUBBLES_RECEIVES,
+        };
         // SAFETY: live handle, valid schedule.
         check(unsafe { sys::bb_trainer_set_schedule(self.raw.as_ptr(), &c) })
     }

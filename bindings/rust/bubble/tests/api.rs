@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bubble::{
-    BubbleKind, GrantBackend, GrantState, LendOptions, Outcome, Schedule, SideTask, Status, Step,
-    StepInfo, Task, TaskOptions, TaskResult, Trainer, TrainerOptions,
+    BubbleKind, GrantBackend, GrantState, LendOptions, Outcome, Schedule, ScheduleBubbles,
+    SideTask, Status, Step, StepInfo, Task, TaskOptions, TaskResult, Trainer, TrainerOptions,
 };
 
 struct Env {
@@ -500,4 +500,16 @@ fn set_schedule_accepts_a_1f1b_pipeline_and_names_what_it_rejects() {
     let err = trainer.set_schedule(&sc).unwrap_err();
     assert_eq!(err.status, Status::Invalid);
     assert!(err.message.contains("stage"), "{err}");
+    // Times unknown (measured), one bubble per receive; a forward time alone is refused.
+    let mut measured = Schedule {
+        stages: 4,
+        microbatches: 8,
+        stage: 1,
+        bubbles: ScheduleBubbles::Receives,
+        ..Default::default()
+    };
+    trainer.set_schedule(&measured).unwrap();
+    measured.fwd = Duration::from_millis(1);
+    let err = trainer.set_schedule(&measured).unwrap_err();
+    assert!(err.message.contains("bwd_ns"), "{err}");
 }
