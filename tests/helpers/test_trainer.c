@@ -1,10 +1,10 @@
 /* A trainer process for the multi-process tests (public C ABI only).
  *
  *   bb_test_trainer JOB RANK [--bubble-us N] [--gap-us N] [--max-slots N] [--free-mem N]
- *                   [--lend host|cuda-ipc|cuda-vmm:BYTES]
+ *                   [--lend host|cuda-ipc|cuda-vmm:BYTES] [--await-tasks N]
  *
  * Opens the hub, prints "OPEN <pid>", lends memory if asked ("LENT", or "LEND_FAILED <status>
- * <message>" and exit code 3), then runs bubbles of --bubble-us separated by --gap-us
+ * <message>" and exit code 3), waits until N tasks are attached if asked, then runs bubbles of --bubble-us separated by --gap-us
  * until SIGTERM/SIGINT (clean close, prints "CLOSED") or SIGKILL (the stale-hub case).
  */
 #define _POSIX_C_SOURCE 200809L
@@ -35,6 +35,7 @@ int main(int argc, char **argv) {
   }
   uint64_t bubble_us = 2000, gap_us = 1000, free_mem = BB_MEM_UNKNOWN;
   const char *lend = NULL;
+  uint32_t await_tasks = 0;
   bb_trainer_options_t opts;
   bb_trainer_options_init(&opts);
   for (int i = 3; i + 1 < argc; i += 2) {
@@ -43,6 +44,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(argv[i], "--max-slots")) opts.max_slots = (uint32_t)atoi(argv[i + 1]);
     else if (!strcmp(argv[i], "--free-mem")) free_mem = strtoull(argv[i + 1], NULL, 10);
     else if (!strcmp(argv[i], "--lend")) lend = argv[i + 1];
+    else if (!strcmp(argv[i], "--await-tasks")) await_tasks = (uint32_t)atoi(argv[i + 1]);
   }
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
@@ -76,6 +78,12 @@ int main(int argc, char **argv) {
     }
     printf("LENT\n");
     fflush(stdout);
+  }
+  for (;;) {  /* the first bubble should find the tasks the test is about */
+    bb_trainer_stats_t stats = {sizeof stats};
+    bb_trainer_stats(t, &stats);
+    if (stats.tasks_attached >= await_tasks || stop_flag) break;
+    sleep_us(1000);
   }
   while (!stop_flag) {
     bb_bubble_begin(t, bubble_us * 1000, free_mem, BB_BUBBLE_STEADY);

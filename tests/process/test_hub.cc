@@ -280,11 +280,12 @@ TEST_CASE("hung_task_never_stalls_the_trainer") {
 TEST_CASE("trainer_killed_mid_bubble_running_task_pauses_and_is_told") {
   RuntimeDir dir;
   // One long bubble: the task is running inside it when the trainer dies.
-  Child trainer({trainer_bin(), "midbubble", "0", "--bubble-us", "30000000", "--gap-us", "1000"});
+  Child trainer({trainer_bin(), "midbubble", "0", "--bubble-us", "30000000", "--gap-us", "1000",
+                 "--await-tasks", "1"});
   REQUIRE(trainer.wait_line("OPEN") != "");
   Child task(task_args("midbubble", "busy", "imperative", {"--step-us", "1000"}));
   REQUIRE(task.wait_line("ATTACHED") != "");
-  REQUIRE(task.wait_line("STARTED", 40000) != "");
+  REQUIRE(task.wait_line("STARTED", 10000) != "");
   trainer.signal(SIGKILL);
   CHECK(trainer.wait_exit() != -1);
   // Nobody will ever clear the run word: the runtime notices the dead connection while the task
