@@ -86,12 +86,14 @@ class BubblePredictor {
   static void push(History* h, uint64_t duration_ns) noexcept;
   void clear_seeds() noexcept;
 
-  std::array<History, kMaxPositions> positions_{};
-  std::array<History, BB_BUBBLE_KIND_COUNT_> kinds_{};
+  // The scalars and the per-kind table first: every bubble reads them, so they share the
+  // first lines of the object rather than follow 8 KiB of positions.
   uint32_t position_ = 0;
   bool marked_ = false;
   bool measures_ = false;
   UnitScale* scale_ = nullptr;
+  std::array<History, BB_BUBBLE_KIND_COUNT_> kinds_{};
+  std::array<History, kMaxPositions> positions_{};
 };
 
 }  // namespace bb::core

@@ -187,7 +187,10 @@ bb_status Trainer::init(const char* job_id, uint32_t rank, const bb_trainer_opti
   if (!hub_map_) return fail_msg(BB_E_SYSTEM, err);
   shm::init_hub(hub_map_.data(), g, job_id, rank);
   hub_.base = hub_map_.data();
-  hub_.bubble()->free_mem.store(BB_MEM_UNKNOWN, std::memory_order_relaxed);
+  bubble_ = hub_.bubble();
+  bubble_->free_mem.store(BB_MEM_UNKNOWN, std::memory_order_relaxed);
+  bubble_log_.attach(hub_, shm::EventStream::kBubble);
+  service_log_.attach(hub_, shm::EventStream::kService);
   if (!shm::seal_read_only(hub_fd_.get(), &err)) return fail_msg(BB_E_SYSTEM, err);
 
   slots_.reset(new Slot[opts_.max_slots]);
@@ -327,7 +330,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   if (gap_first) observe_gap();
   if (expected_ns == 0) expected_ns = predictor_.predict(kind);
   const uint64_t deadline = expected_ns ? now + expected_ns : 0;
-  shm::BubbleState* b = hub_.bubble();
+  shm::BubbleState* b = bubble_;
   const uint64_t seq = b->seq.load(std::memory_order_relaxed) + 1;
 
   // Start the tasks first: what follows is bookkeeping no waiting task needs.
@@ -417,7 +420,7 @@ bb_status Trainer::end() {
 }
 
 void Trainer::end_locked(uint64_t now) {
-  shm::BubbleState* b = hub_.bubble();
+  shm::BubbleState* b = bubble_;
   // Publish the next bubble's predicted begin before pausing anyone, so a task that acks and
   // goes back to waiting already sees it.
   const uint64_t gap = gap_predictor_.predict(BB_BUBBLE_OTHER);

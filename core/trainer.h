@@ -73,10 +73,10 @@ class Trainer {
   // Each thread appends to its own event stream, which keeps an append free of atomic
   // read-modify-writes (shm/layout.h).
   void log_bubble(shm::EventKind kind, uint64_t ts_ns, uint64_t a, uint64_t b) {
-    shm::log_event(hub_, shm::EventStream::kBubble, kind, 0xffff, ts_ns, a, b);
+    bubble_log_.append(kind, 0xffff, ts_ns, a, b);
   }
   void log_service(shm::EventKind kind, uint32_t slot, uint64_t ts_ns, uint64_t a, uint64_t b) {
-    shm::log_event(hub_, shm::EventStream::kService, kind, uint16_t(slot), ts_ns, a, b);
+    service_log_.append(kind, uint16_t(slot), ts_ns, a, b);
   }
 
   // Service thread.
@@ -117,21 +117,26 @@ class Trainer {
   std::unique_ptr<Slot[]> slots_;
   std::atomic<uint64_t> slots_changed_{0};
 
-  // Bubble thread only.
-  Candidate cands_[BB_MAX_SLOTS_LIMIT];
+  // Bubble thread only. The scalars every bubble reads come first, on one or two cache lines
+  // (a trainer computes between bubbles, so the path often starts with cold caches).
   uint32_t span_ = 0;  // one past the highest slot that may be active
-  PickIndex pick_index_;  // cands_ grouped by priority, rebuilt with them
-  uint64_t seen_changes_ = 0;
   uint32_t rr_cursor_ = 0;
-  uint32_t running_[BB_MAX_SLOTS_LIMIT];
   uint32_t n_running_ = 0;
   bool open_ = false;
-  uint64_t begin_ns_ = 0;
   bb_bubble_kind kind_ = BB_BUBBLE_OTHER;
+  uint64_t seen_changes_ = 0;
+  uint64_t begin_ns_ = 0;
+  uint64_t last_end_ns_ = 0;
+  shm::BubbleState* bubble_ = nullptr;  // in the hub, cached
+  shm::EventWriter bubble_log_;
+  UnitScale unit_scale_;           // a schedule declared without times: ns per model unit
   BubblePredictor predictor_;      // bubble lengths
   BubblePredictor gap_predictor_;  // time from a bubble's end to the next one's begin
-  UnitScale unit_scale_;           // a schedule declared without times: ns per model unit
-  uint64_t last_end_ns_ = 0;
+  Candidate cands_[BB_MAX_SLOTS_LIMIT];
+  PickIndex pick_index_;  // cands_ grouped by priority, rebuilt with them
+  uint32_t running_[BB_MAX_SLOTS_LIMIT];
+
+  shm::EventWriter service_log_;  // the service thread's
 
   // Written by the bubble thread, read by anyone.
   std::atomic<uint64_t> starts_{0}, pauses_{0}, wakes_{0};

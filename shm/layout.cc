@@ -102,12 +102,16 @@ bool validate_hub(const unsigned char* base, uint64_t mapped_size, std::string* 
   return true;
 }
 
-void log_event(const HubView& hub, EventStream stream, EventKind kind, uint16_t slot,
-               uint64_t ts_ns, uint64_t a, uint64_t b) {
-  const uint32_t cap = hub.header()->event_capacity;
-  EventLog* log = hub.events(stream);
-  const uint64_t idx = log->next.load(std::memory_order_relaxed);  // ours alone
-  EventEntry& e = hub.event_entries(stream)[idx & (cap - 1)];
+void EventWriter::attach(const HubView& hub, EventStream stream) {
+  log = hub.events(stream);
+  entries = hub.event_entries(stream);
+  mask = hub.header()->event_capacity - 1;
+  next = log->next.load(std::memory_order_relaxed);
+}
+
+void EventWriter::append(EventKind kind, uint16_t slot, uint64_t ts_ns, uint64_t a, uint64_t b) {
+  const uint64_t idx = next++;
+  EventEntry& e = entries[idx & mask];
   e.commit.store(0, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   e.kind.store(uint16_t(kind), std::memory_order_relaxed);
@@ -117,6 +121,13 @@ void log_event(const HubView& hub, EventStream stream, EventKind kind, uint16_t 
   e.b.store(b, std::memory_order_relaxed);
   e.commit.store(uint32_t(idx + 1), std::memory_order_release);
   log->next.store(idx + 1, std::memory_order_release);
+}
+
+void log_event(const HubView& hub, EventStream stream, EventKind kind, uint16_t slot,
+               uint64_t ts_ns, uint64_t a, uint64_t b) {
+  EventWriter w;
+  w.attach(hub, stream);
+  w.append(kind, slot, ts_ns, a, b);
 }
 
 }  // namespace bb::shm

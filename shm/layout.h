@@ -290,8 +290,21 @@ void init_hub(unsigned char* base, const HubGeometry& g, const char* job, uint32
 // sentence naming the problem (and the fix for a version mismatch).
 bool validate_hub(const unsigned char* base, uint64_t mapped_size, std::string* error);
 
-// Appends to one event stream. Only that stream's writer thread may call it (bounded, plain
-// stores, no read-modify-write).
+// The writer of one event stream, held by the one thread that appends to it: where the ring
+// lies and its next index, kept here so an append reads nothing of the hub (the shared `next`
+// is stored, never read back). Bounded, plain stores, no read-modify-write.
+struct EventWriter {
+  EventLog* log = nullptr;
+  EventEntry* entries = nullptr;
+  uint64_t mask = 0;
+  uint64_t next = 0;
+
+  void attach(const HubView& hub, EventStream stream);
+  void append(EventKind kind, uint16_t slot, uint64_t ts_ns, uint64_t a, uint64_t b);
+};
+
+// Appends to one event stream through a writer attached for the call. Only that stream's writer
+// thread may call it.
 void log_event(const HubView& hub, EventStream stream, EventKind kind, uint16_t slot,
                uint64_t ts_ns, uint64_t a, uint64_t b);
 
