@@ -146,6 +146,33 @@ CudaContextScope::~CudaContextScope() {
   if (restore_) drv_.CtxSetCurrent(prev_);
 }
 
+bb_status CudaClearer::clear(CUdeviceptr ptr, uint64_t bytes, std::string* error) {
+  CUresult rc;
+  if (!stream_ && (rc = drv_.StreamCreate(&stream_, CU_STREAM_NON_BLOCKING)) != CUDA_SUCCESS) {
+    stream_ = nullptr;
+    *error = drv_.describe("cuStreamCreate of the stream that clears grants", rc);
+    return cuda_status(rc);
+  }
+  const char* what = "cuMemsetD8Async clearing a grant";
+  rc = drv_.MemsetD8Async(ptr, 0, bytes, stream_);
+  if (rc == CUDA_SUCCESS) {
+    what = "cuStreamSynchronize waiting for a grant to be cleared";
+    rc = drv_.StreamSynchronize(stream_);
+  }
+  if (rc != CUDA_SUCCESS) {
+    *error = drv_.describe(what, rc) + ": the grant was not made";
+    // Whatever the stream still holds is abandoned with it; the next grant gets a clean one.
+    reset();
+    return cuda_status(rc);
+  }
+  return BB_OK;
+}
+
+void CudaClearer::reset() {
+  if (stream_) drv_.StreamDestroy(stream_);
+  stream_ = nullptr;
+}
+
 bb_status CudaPrimaryContext::retain(const CudaDriver& drv, int device, std::string* error) {
   reset();
   if (device < 0 || device >= drv.device_count) {

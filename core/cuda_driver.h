@@ -49,7 +49,11 @@ struct CudaDriver {
   X(MemAddressFree, cuMemAddressFree, "cuMemAddressFree")                \
   X(MemMap, cuMemMap, "cuMemMap")                                        \
   X(MemUnmap, cuMemUnmap, "cuMemUnmap")                                  \
-  X(MemSetAccess, cuMemSetAccess, "cuMemSetAccess")
+  X(MemSetAccess, cuMemSetAccess, "cuMemSetAccess")                     \
+  X(StreamCreate, cuStreamCreate, "cuStreamCreate")                      \
+  X(StreamDestroy, cuStreamDestroy, "cuStreamDestroy_v2")                \
+  X(MemsetD8Async, cuMemsetD8Async, "cuMemsetD8Async")                   \
+  X(StreamSynchronize, cuStreamSynchronize, "cuStreamSynchronize")
 
 #define BB_CUDA_DRIVER_MEMBER_(member, fn, versioned) decltype(&::fn) member = nullptr;
   BB_CUDA_DRIVER_FUNCTIONS(BB_CUDA_DRIVER_MEMBER_)
@@ -98,6 +102,28 @@ class CudaContextScope {
   CUcontext prev_ = nullptr;
   bb_status status_ = BB_OK;
   bool restore_ = false;
+};
+
+// Zeroes device memory before it is lent again. The memset runs on a private non-blocking
+// stream and only that stream is waited for: the trainer's own kernels on the same context are
+// never synchronised with (no cuCtxSynchronize, no legacy default stream). The stream is created
+// on first use; use and reset() it with its context current (CudaContextScope).
+class CudaClearer {
+ public:
+  explicit CudaClearer(const CudaDriver& drv) : drv_(drv) {}
+  ~CudaClearer() { reset(); }
+  CudaClearer(const CudaClearer&) = delete;
+  CudaClearer& operator=(const CudaClearer&) = delete;
+
+  // Sets [ptr, ptr + bytes) to zero and returns once the device has done it. On failure *error
+  // names the driver call; the stream is dropped (a later call starts a fresh one).
+  bb_status clear(CUdeviceptr ptr, uint64_t bytes, std::string* error);
+  // Destroys the stream, if any.
+  void reset();
+
+ private:
+  const CudaDriver& drv_;
+  CUstream stream_ = nullptr;
 };
 
 // A retained primary context of one device; released on destruction.

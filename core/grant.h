@@ -78,7 +78,8 @@ class GrantExporter {
   // Offsets and sizes handed to create() are multiples of this (a power of two).
   virtual uint64_t alignment() const = 0;
   // Makes [offset, offset + size) shareable; fills handle (map_offset, map_size, device, fd or
-  // ipc). On failure nothing stays allocated.
+  // ipc). The memory holds nothing of an earlier holder (unless the lender was told not to
+  // clear). On failure nothing stays allocated.
   virtual bb_status create(uint64_t offset, uint64_t size, GrantHandle* handle,
                            std::string* error) = 0;
   // Gives the memory behind a grant back. After it the descriptor in handle is closed. A
@@ -94,13 +95,14 @@ class GrantExporter {
 bb_status make_host_exporter(uint64_t bytes, std::unique_ptr<GrantExporter>* out,
                              std::string* error);
 // Lends [device_ptr, device_ptr + bytes) of an existing cuMemAlloc/cudaMalloc allocation on
-// device, or, with device_ptr == 0, a new allocation of bytes that the exporter owns.
+// device, or, with device_ptr == 0, a new allocation of bytes that the exporter owns. With clear,
+// create() zeroes each grant's range on the device (and waits for it) before returning.
 bb_status make_cuda_ipc_exporter(const CudaDriver& drv, int device, uint64_t device_ptr,
-                                 uint64_t bytes, uint64_t alignment,
+                                 uint64_t bytes, uint64_t alignment, bool clear,
                                  std::unique_ptr<GrantExporter>* out, std::string* error);
 // Reserves bytes (rounded down to the allocation granularity) of virtual address space on
-// device; physical memory is created per grant.
-bb_status make_cuda_vmm_exporter(const CudaDriver& drv, int device, uint64_t bytes,
+// device; physical memory is created per grant, and zeroed before it is exported with clear.
+bb_status make_cuda_vmm_exporter(const CudaDriver& drv, int device, uint64_t bytes, bool clear,
                                  std::unique_ptr<GrantExporter>* out, std::string* error);
 
 // Importer side (the task): a grant mapped into this process.

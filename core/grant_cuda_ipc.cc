@@ -6,6 +6,9 @@
 // handle in one context, so each mapping opens and closes it independently. The driver cannot
 // restrict an importer to its sub-range: a task can reach the whole allocation (see
 // docs/GRANTS.md). Handles cannot be opened by the process that exported them.
+//
+// A window keeps whatever its previous holder, or the trainer, left in it, so create() zeroes it
+// on the device before the grant exists (unless the lender was told all tasks share one owner).
 #include <cstring>
 
 #include "core/cuda_driver.h"
@@ -16,12 +19,12 @@ namespace {
 
 class IpcExporter final : public GrantExporter {
  public:
-  explicit IpcExporter(const CudaDriver& drv) : drv_(drv) {}
+  IpcExporter(const CudaDriver& drv, bool clear) : drv_(drv), clearer_(drv), clear_(clear) {}
   ~IpcExporter() override {
-    if (owned_ && ctx_.get()) {
-      CudaContextScope scope(drv_, ctx_.get());
-      drv_.MemFree(owned_);
-    }
+    if (!ctx_.get()) return;
+    CudaContextScope scope(drv_, ctx_.get());
+    clearer_.reset();
+    if (owned_) drv_.MemFree(owned_);
   }
 
   bb_status init(int device, uint64_t device_ptr, uint64_t bytes, uint64_t alignment,
@@ -94,6 +97,15 @@ class IpcExporter final : public GrantExporter {
       return BB_E_INVALID;
     }
     // Nothing to allocate: the grant is a window on memory the trainer already lent.
+    if (clear_) {
+      CudaContextScope scope(drv_, ctx_.get());
+      if (scope.status() != BB_OK) {
+        *error = "could not make the GPU's primary context current to clear a cuda-ipc grant";
+        return scope.status();
+      }
+      bb_status st = clearer_.clear(ptr_ + offset, size, error);
+      if (st != BB_OK) return st;
+    }
     *h = GrantHandle{};
     h->map_offset = (ptr_ - alloc_base_) + offset;
     h->map_size = size;
@@ -111,6 +123,8 @@ class IpcExporter final : public GrantExporter {
  private:
   const CudaDriver& drv_;
   CudaPrimaryContext ctx_;
+  CudaClearer clearer_;
+  bool clear_ = true;
   int device_ = 0;
   uint64_t align_ = 256;
   uint64_t capacity_ = 0;
@@ -187,10 +201,10 @@ class IpcMapping final : public GrantMapping {
 }  // namespace
 
 bb_status make_cuda_ipc_exporter(const CudaDriver& drv, int device, uint64_t device_ptr,
-                                 uint64_t bytes, uint64_t alignment,
+                                 uint64_t bytes, uint64_t alignment, bool clear,
                                  std::unique_ptr<GrantExporter>* out, std::string* error) {
   out->reset();
-  auto e = std::make_unique<IpcExporter>(drv);
+  auto e = std::make_unique<IpcExporter>(drv, clear);
   bb_status st = e->init(device, device_ptr, bytes, alignment, error);
   if (st == BB_OK) *out = std::move(e);
   return st;

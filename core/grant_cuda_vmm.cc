@@ -5,6 +5,10 @@
 // maps the same physical memory at an address of its own. A task reaches only its grant. The
 // driver maps whole handles only (cuMemMap's offset must be 0), hence one allocation per grant
 // and grants rounded up to the allocation granularity.
+//
+// The driver does not zero what cuMemCreate returns (it may hold another process's data), so
+// create() zeroes each grant on the device before exporting it, unless the lender was told all
+// tasks share one owner.
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -66,11 +70,12 @@ bb_status vmm_granularity(const CudaDriver& drv, CUdevice dev, uint64_t* gran,
 
 class VmmExporter final : public GrantExporter {
  public:
-  explicit VmmExporter(const CudaDriver& drv) : drv_(drv) {}
+  VmmExporter(const CudaDriver& drv, bool clear) : drv_(drv), clearer_(drv), clear_(clear) {}
   ~VmmExporter() override {
     // The lender destroys its grants first; anything left here is torn down the same way.
     if (!ctx_.get()) return;
     CudaContextScope scope(drv_, ctx_.get());
+    clearer_.reset();
     for (auto& [offset, g] : live_) {
       std::string ignored;
       destroy_one(offset, g, &ignored);
@@ -114,6 +119,10 @@ class VmmExporter final : public GrantExporter {
       return BB_E_INVALID;
     }
     CudaContextScope scope(drv_, ctx_.get());
+    if (scope.status() != BB_OK) {
+      *error = "could not make the GPU's primary context current to create a cuda-vmm grant";
+      return scope.status();
+    }
     Physical p;
     CUmemAllocationProp prop = grant_prop(ctx_.device());
     CUresult rc = drv_.MemCreate(&p.handle, size, &prop, 0);
@@ -123,11 +132,14 @@ class VmmExporter final : public GrantExporter {
       return cuda_status(rc);
     }
     // Unwinds whatever succeeded, in reverse, so a failure leaves nothing allocated.
-    auto fail = [&](const char* what, CUresult r) {
-      *error = drv_.describe(what, r);
+    auto undo = [&] {
       if (p.fd >= 0) close(p.fd);
       if (p.mapped) drv_.MemUnmap(base_ + offset, size);
       drv_.MemRelease(p.handle);
+    };
+    auto fail = [&](const char* what, CUresult r) {
+      *error = drv_.describe(what, r);
+      undo();
       return cuda_status(r);
     };
     if ((rc = drv_.MemMap(base_ + offset, size, 0, p.handle, 0)) != CUDA_SUCCESS)
@@ -136,6 +148,14 @@ class VmmExporter final : public GrantExporter {
     CUmemAccessDesc access = rw_access(ctx_.device());
     if ((rc = drv_.MemSetAccess(base_ + offset, size, &access, 1)) != CUDA_SUCCESS)
       return fail("cuMemSetAccess on a grant", rc);
+    // Cleared before it is exported: no descriptor to uncleared memory ever exists.
+    if (clear_) {
+      const bb_status st = clearer_.clear(base_ + offset, size, error);
+      if (st != BB_OK) {
+        undo();
+        return st;
+      }
+    }
     int fd = -1;
     rc = drv_.MemExportToShareableHandle(&fd, p.handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
     if (rc != CUDA_SUCCESS) return fail("cuMemExportToShareableHandle of a grant", rc);
@@ -196,6 +216,8 @@ class VmmExporter final : public GrantExporter {
 
   const CudaDriver& drv_;
   CudaPrimaryContext ctx_;
+  CudaClearer clearer_;
+  bool clear_ = true;
   int device_ = 0;
   uint64_t gran_ = 0;
   uint64_t capacity_ = 0;
@@ -295,10 +317,10 @@ class VmmMapping final : public GrantMapping {
 
 }  // namespace
 
-bb_status make_cuda_vmm_exporter(const CudaDriver& drv, int device, uint64_t bytes,
+bb_status make_cuda_vmm_exporter(const CudaDriver& drv, int device, uint64_t bytes, bool clear,
                                  std::unique_ptr<GrantExporter>* out, std::string* error) {
   out->reset();
-  auto e = std::make_unique<VmmExporter>(drv);
+  auto e = std::make_unique<VmmExporter>(drv, clear);
   bb_status st = e->init(device, bytes, error);
   if (st == BB_OK) *out = std::move(e);
   return st;

@@ -55,6 +55,8 @@ class HostExporter final : public GrantExporter {
 
   bb_status create(uint64_t offset, uint64_t size, GrantHandle* h, std::string* error) override {
     if (!range_ok(offset, size, error)) return BB_E_INVALID;
+    // A new memfd every time, never a recycled one: the kernel hands out its pages zero-filled,
+    // so no grant shows what an earlier holder left, and no memset is needed.
     int fd = memfd_create("bubble-grant", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) {
       *error = "memfd_create for a host grant failed: " + errno_text();

@@ -39,10 +39,11 @@ bb_status GrantLender::create(const LendOptions& opts, std::unique_ptr<GrantLend
     case GrantBackend::kHost: st = make_host_exporter(opts.bytes, &l->exporter_, error); break;
     case GrantBackend::kCudaIpc:
       st = make_cuda_ipc_exporter(*drv, opts.device, opts.device_ptr, opts.bytes, opts.alignment,
-                                  &l->exporter_, error);
+                                  opts.clear, &l->exporter_, error);
       break;
     case GrantBackend::kCudaVmm:
-      st = make_cuda_vmm_exporter(*drv, opts.device, opts.bytes, &l->exporter_, error);
+      st = make_cuda_vmm_exporter(*drv, opts.device, opts.bytes, opts.clear, &l->exporter_,
+                                  error);
       break;
     default:
       *error = "unknown grant backend " + std::to_string(static_cast<uint32_t>(opts.backend)) +

@@ -35,6 +35,9 @@ struct LendOptions {
                                   // lender allocates the range itself)
   uint64_t alignment = 0;         // grant unit; 0 = the backend's (page, 256 B, granularity)
   const CudaDriver* driver = nullptr;  // nullptr = cuda_driver() (for CUDA backends)
+  // CUDA backends: zero each grant on the device before a task gets it. Off only when every
+  // task belongs to one owner. Host grants are always fresh memfds, zero-filled by the kernel.
+  bool clear = true;
 };
 
 enum class GrantState : uint8_t {

@@ -37,6 +37,11 @@ struct EventShared {
   std::atomic<uint64_t> recorded;
   std::atomic<uint64_t> done;
 };
+// A stream made by cuStreamCreate; the legacy default stream is the null handle.
+struct CUstream_st {
+  uint32_t magic;
+  unsigned flags;
+};
 struct CUevent_st {
   uint32_t magic;
   unsigned flags;
@@ -53,6 +58,7 @@ constexpr int kMaxDevices = 8;
 constexpr char kIpcMagic[8] = {'B', 'B', 'D', 'B', 'L', 'I', 'P', 'C'};
 constexpr char kIpcEventMagic[8] = {'B', 'B', 'D', 'B', 'L', 'E', 'V', 'T'};
 constexpr uint32_t kEventMagic = 0x45564e54;
+constexpr uint32_t kStreamMagic = 0x5354524d;
 
 struct IpcWire {
   char magic[8];
@@ -88,6 +94,12 @@ struct IpcOpen {
   size_t size = 0;
   int refs = 0;
 };
+// A cuMemsetD8Async the "GPU" has not run yet: it happens at cuStreamSynchronize.
+struct PendingMemset {
+  CUdeviceptr ptr = 0;
+  size_t size = 0;
+  unsigned char value = 0;
+};
 struct Failure {
   std::string kind;
   long nth = 0;  // 0 = every call
@@ -100,6 +112,7 @@ struct State {
   size_t granularity = 2u << 20;
   bool no_proc_address = false;
   bool no_vmm = false;
+  int fill = 0xa5;  // what new device memory holds: the real driver does not zero it
   std::vector<Failure> failures;
   std::map<std::string, long> calls_of_kind;
   std::vector<std::string> log;
@@ -117,6 +130,8 @@ struct State {
   std::set<CUevent> events;
   // Records not yet finished, per stream, in stream order: (event, its record number).
   std::map<CUstream, std::deque<std::pair<CUevent, uint64_t>>> pending;
+  std::set<CUstream> streams;
+  std::map<CUstream, std::vector<PendingMemset>> memsets;
 
   void read_env() {
     auto num = [](const char* name, long dflt) {
@@ -128,6 +143,7 @@ struct State {
     granularity = static_cast<size_t>(num("BUBBLE_CUDA_DOUBLE_GRANULARITY", 2l << 20));
     no_proc_address = num("BUBBLE_CUDA_DOUBLE_NO_PROC_ADDRESS", 0) != 0;
     no_vmm = num("BUBBLE_CUDA_DOUBLE_NO_VMM", 0) != 0;
+    fill = static_cast<int>(num("BUBBLE_CUDA_DOUBLE_FILL", 0xa5) & 0xff);
     failures.clear();
     calls_of_kind.clear();
     const char* spec = std::getenv("BUBBLE_CUDA_DOUBLE_FAIL");
@@ -177,6 +193,8 @@ const char* result_name(CUresult rc) {
     case CUDA_ERROR_ALREADY_MAPPED: return "CUDA_ERROR_ALREADY_MAPPED";
     case CUDA_ERROR_OPERATING_SYSTEM: return "CUDA_ERROR_OPERATING_SYSTEM";
     case CUDA_ERROR_NOT_READY: return "CUDA_ERROR_NOT_READY";
+    case CUDA_ERROR_LAUNCH_FAILED: return "CUDA_ERROR_LAUNCH_FAILED";
+    case CUDA_ERROR_ILLEGAL_ADDRESS: return "CUDA_ERROR_ILLEGAL_ADDRESS";
     default: return nullptr;
   }
 }
@@ -247,6 +265,21 @@ int make_memfd(size_t size) {
   return fd;
 }
 
+// New device memory, holding what the last user of those pages left (the fill byte), as the
+// real driver's does: only an explicit memset makes it zero.
+int make_device_memfd(size_t size) {
+  int fd = make_memfd(size);
+  if (fd < 0) return -1;
+  void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    close(fd);
+    return -1;
+  }
+  std::memset(p, st().fill, size);
+  munmap(p, size);
+  return fd;
+}
+
 // Mapping covering [p, p + size) entirely inside the reservation, or end().
 bool inside_reservation(CUdeviceptr p, size_t size) {
   auto& r = st().reservations;
@@ -254,6 +287,23 @@ bool inside_reservation(CUdeviceptr p, size_t size) {
   if (it == r.begin()) return false;
   --it;
   return p >= it->first && p + size <= it->first + it->second.size;
+}
+
+// [p, p + size) is device memory this process may write: inside one cuMemAlloc allocation, or
+// covered by VMM mappings made writable with cuMemSetAccess.
+bool writable_device_range(CUdeviceptr p, size_t size) {
+  for (auto& [b, a] : st().allocs)
+    if (p >= b && p + size <= b + a.size) return true;
+  auto& m = st().mappings;
+  CUdeviceptr pos = p;
+  while (pos < p + size) {
+    auto it = m.upper_bound(pos);
+    if (it == m.begin()) return false;
+    --it;
+    if (pos >= it->first + it->second.size || !(it->second.flags & PROT_WRITE)) return false;
+    pos = it->first + it->second.size;
+  }
+  return size > 0;
 }
 
 bool overlaps_mapping(CUdeviceptr p, size_t size) {
@@ -297,6 +347,7 @@ __attribute__((visibility("default"))) void bbdouble_outstanding(bbdouble_counts
   for (int i = 0; i < kMaxDevices; ++i) out->ctx_retains += s.retains[i];
   out->proc_lookups = s.proc_lookups;
   out->violations = s.violations.size();
+  out->streams = s.streams.size();
   for (CUevent e : s.events) (e->imported ? out->ipc_event_opens : out->events) += 1;
 }
 
@@ -370,6 +421,8 @@ CUresult CUDAAPI cuGetErrorString(CUresult rc, const char** out) {
     case CUDA_ERROR_MAP_FAILED: *out = "mapping of buffer object failed"; break;
     case CUDA_ERROR_NOT_SUPPORTED: *out = "operation not supported"; break;
     case CUDA_ERROR_INVALID_HANDLE: *out = "invalid resource handle"; break;
+    case CUDA_ERROR_LAUNCH_FAILED: *out = "unspecified launch failure"; break;
+    case CUDA_ERROR_ILLEGAL_ADDRESS: *out = "an illegal memory access was encountered"; break;
     default: *out = "unknown error"; break;
   }
   return CUDA_SUCCESS;
@@ -450,7 +503,7 @@ CUresult CUDAAPI cuMemAlloc(CUdeviceptr* dptr, size_t size) {
   if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
   if (size == 0) return c.violation(CUDA_ERROR_INVALID_VALUE, "size 0");
   if (c.inject("oom")) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
-  int fd = make_memfd(size);
+  int fd = make_device_memfd(size);
   if (fd < 0) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
@@ -599,7 +652,7 @@ CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
     return c.violation(CUDA_ERROR_INVALID_VALUE, "size %zu is not a multiple of granularity %zu",
                        size, st().granularity);
   if (c.inject("oom")) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
-  int fd = make_memfd(size);
+  int fd = make_device_memfd(size);
   if (fd < 0) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
   *handle = st().next_handle++;
   st().physical[*handle] = Physical{fd, size, prop->requestedHandleTypes, 0, false};
@@ -888,6 +941,95 @@ CUresult CUDAAPI cuIpcOpenEventHandle(CUevent* out, CUipcEventHandle handle) {
 
 }  // extern "C"
 
+// ---- streams and memsets ----------------------------------------------------------------------
+
+namespace {
+
+bool valid_stream(CUstream s) {
+  return s == nullptr || (st().streams.count(s) && s->magic == kStreamMagic);
+}
+
+// The "GPU" reaches the end of a stream: its memsets land (in order) and its events complete.
+void run_stream(Call& c, CUstream s) {
+  auto m = st().memsets.find(s);
+  if (m != st().memsets.end()) {
+    for (const PendingMemset& p : m->second) {
+      if (!writable_device_range(p.ptr, p.size)) {
+        c.violation(CUDA_SUCCESS, "a memset ran on memory freed or unmapped before it ran");
+        continue;
+      }
+      std::memset(reinterpret_cast<void*>(p.ptr), p.value, p.size);
+    }
+    st().memsets.erase(m);
+  }
+  auto e = st().pending.find(s);
+  if (e != st().pending.end()) {
+    for (auto& [ev, gen] : e->second)
+      if (gen > ev->sh->done.load()) ev->sh->done.store(gen);
+    e->second.clear();
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+CUresult CUDAAPI cuStreamCreate(CUstream* out, unsigned int flags) {
+  Call c("cuStreamCreate");
+  c.arg("flags", flags);
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  if (!out) return c.violation(CUDA_ERROR_INVALID_VALUE, "null pointer");
+  if (flags & ~unsigned{CU_STREAM_NON_BLOCKING})
+    return c.violation(CUDA_ERROR_INVALID_VALUE, "unknown stream flags %u", flags);
+  if (c.inject("stream")) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
+  *out = new CUstream_st{kStreamMagic, flags};
+  st().streams.insert(*out);
+  c.arg("stream", reinterpret_cast<uintptr_t>(*out));
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuStreamDestroy(CUstream s) {
+  Call c("cuStreamDestroy");
+  c.arg("stream", reinterpret_cast<uintptr_t>(s));
+  if (!s || !valid_stream(s)) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live stream");
+  // Like the real driver, work still queued runs before the stream goes away.
+  run_stream(c, s);
+  st().pending.erase(s);
+  st().streams.erase(s);
+  s->magic = 0;
+  delete s;
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr ptr, unsigned char value, size_t n, CUstream s) {
+  Call c("cuMemsetD8Async");
+  c.arg("ptr", ptr).arg("size", n).arg("value", value).arg("stream", reinterpret_cast<uintptr_t>(s));
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  if (!valid_stream(s)) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live stream");
+  if (!writable_device_range(ptr, n))
+    return c.violation(CUDA_ERROR_INVALID_VALUE,
+                       "range is not writable device memory of this process");
+  if (c.inject("memset")) return c.ret(CUDA_ERROR_LAUNCH_FAILED);
+  st().memsets[s].push_back(PendingMemset{ptr, n, value});
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuStreamSynchronize(CUstream s) {
+  Call c("cuStreamSynchronize");
+  c.arg("stream", reinterpret_cast<uintptr_t>(s));
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  if (!valid_stream(s)) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live stream");
+  if (c.inject("sync")) {
+    // The work faulted: none of it is done.
+    st().memsets.erase(s);
+    return c.ret(CUDA_ERROR_ILLEGAL_ADDRESS);
+  }
+  run_stream(c, s);
+  return c.ret(CUDA_SUCCESS);
+}
+
+}  // extern "C"
+
 extern "C" {
 
 // ---- entry point lookup -----------------------------------------------------------------------
@@ -914,6 +1056,8 @@ CUresult CUDAAPI cuGetProcAddress(const char* symbol, void** pfn, int version, c
       BBD_ENTRY_(cuMemSetAccess), BBD_ENTRY_(cuEventCreate), BBD_ENTRY_(cuEventRecord),
       BBD_ENTRY_(cuEventQuery), BBD_ENTRY_(cuEventDestroy), BBD_ENTRY_(cuStreamWaitEvent),
       BBD_ENTRY_(cuIpcGetEventHandle), BBD_ENTRY_(cuIpcOpenEventHandle),
+      BBD_ENTRY_(cuStreamCreate), BBD_ENTRY_(cuStreamDestroy), BBD_ENTRY_(cuMemsetD8Async),
+      BBD_ENTRY_(cuStreamSynchronize),
   };
 #undef BBD_ENTRY_
   if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;

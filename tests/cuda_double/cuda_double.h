@@ -11,12 +11,21 @@
  *                                   export (cuMemExportToShareableHandle, cuIpcGetMemHandle),
  *                                   import (cuMemImportFromShareableHandle, cuIpcOpenMemHandle),
  *                                   map (cuMemMap), access (cuMemSetAccess),
- *                                   reserve (cuMemAddressReserve), event (cuEventCreate);
- *                                   export and import also cover cuIpcGet/OpenEventHandle.
+ *                                   reserve (cuMemAddressReserve), event (cuEventCreate),
+ *                                   stream (cuStreamCreate), memset (cuMemsetD8Async),
+ *                                   sync (cuStreamSynchronize: the stream's queued work is
+ *                                   dropped undone); export and import also cover
+ *                                   cuIpcGet/OpenEventHandle.
  *   BUBBLE_CUDA_DOUBLE_DEVICES      GPUs to pretend (default 1; 0 makes cuInit fail NO_DEVICE).
  *   BUBBLE_CUDA_DOUBLE_GRANULARITY  allocation granularity in bytes (default 2 MiB).
  *   BUBBLE_CUDA_DOUBLE_NO_PROC_ADDRESS=1  cuGetProcAddress finds nothing (loaders fall back).
  *   BUBBLE_CUDA_DOUBLE_NO_VMM=1     devices report no virtual memory management support.
+ *   BUBBLE_CUDA_DOUBLE_FILL         the byte new cuMemAlloc/cuMemCreate memory holds (default
+ *                                   0xa5): like the real driver, the double never zeroes it.
+ *
+ * cuMemsetD8Async only queues the memset on its stream; it lands when cuStreamSynchronize (or
+ * cuStreamDestroy) of that stream lets "the GPU" reach it, so a caller that does not wait reads
+ * the old bytes.
  */
 #ifndef BUBBLE_TESTS_CUDA_DOUBLE_H
 #define BUBBLE_TESTS_CUDA_DOUBLE_H
@@ -39,6 +48,7 @@ typedef struct bbdouble_counts {
   uint64_t violations;    /* misuses seen since the last reset */
   uint64_t events;        /* cuEventCreate events not destroyed */
   uint64_t ipc_event_opens; /* cuIpcOpenEventHandle events not destroyed */
+  uint64_t streams;       /* cuStreamCreate streams not destroyed */
 } bbdouble_counts;
 
 /* Re-reads the environment, clears the call log, the violations and the failure counters.

@@ -46,6 +46,13 @@ void fill_counts(test::PeerReply* r) {
   r->counts_valid = 1;
 }
 
+bool all_zero(const void* p, uint64_t size) {
+  const auto* b = static_cast<const unsigned char*>(p);
+  for (uint64_t i = 0; i < size; ++i)
+    if (b[i]) return false;
+  return true;
+}
+
 void write_pattern(void* p, uint64_t size, uint32_t seed) {
   auto* w = static_cast<uint32_t*>(p);
   for (uint64_t i = 0; i < size / 4; ++i) w[i] = test::pattern_word(seed, i);
@@ -82,6 +89,7 @@ int main(int argc, char** argv) {
       std::unique_ptr<core::GrantMapping> m;
       st = core::map_grant(req.grant, fd, &m, &err);
       if (st == BB_OK) {
+        rep.was_zero = all_zero(m->ptr(), m->size()) ? 1 : 0;
         write_pattern(m->ptr(), m->size(), req.seed);
         if (req.grant.backend == core::GrantBackend::kHost)
           rep.truncate_errno = ftruncate(fd, 0) == 0 ? 0 : errno;

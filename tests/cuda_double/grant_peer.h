@@ -32,7 +32,7 @@ struct PeerReply {
   int32_t fds_before = 0;      // open descriptors before the request arrived
   int32_t fds_after = 0;       // and after it was handled (the received fd closed)
   uint32_t counts_valid = 0;   // 1 when the peer's driver is the double
-  uint32_t reserved_ = 0;
+  uint32_t was_zero = 0;       // map requests: 1 when every byte of the grant read 0 when mapped
   bbdouble_counts counts{};    // the peer's double after the request
   char error[512] = {};
 };

@@ -57,6 +57,7 @@ struct Clean {
     CHECK(c.device_allocs == 0);
     CHECK(c.ipc_opens == 0);
     CHECK(c.ctx_retains == 0);
+    CHECK(c.streams == 0);
     CHECK_MESSAGE(c.violations == 0, dbl().violations());
   }
 };
@@ -93,7 +94,7 @@ TEST_CASE("the driver loader resolves its table through cuGetProcAddress") {
   std::string err;
   REQUIRE_MESSAGE(CudaDriver::open(BUBBLE_CUDA_DOUBLE_PATH, &d, &err) == BB_OK, err);
   CHECK(d->via_proc_address);
-  CHECK(dbl().counts().proc_lookups == 27);
+  CHECK(dbl().counts().proc_lookups == 31);
   CHECK(d->driver_version == 13000);
   CHECK(d->device_count == 1);
   CHECK(d->path == BUBBLE_CUDA_DOUBLE_PATH);
@@ -115,6 +116,11 @@ TEST_CASE("the driver loader falls back to dlsym of versioned names") {
   CHECK(reinterpret_cast<void*>(d->MemAlloc) == dlsym(d->dl_handle, "cuMemAlloc_v2"));
   CHECK(reinterpret_cast<void*>(d->DevicePrimaryCtxRelease) ==
         dlsym(d->dl_handle, "cuDevicePrimaryCtxRelease_v2"));
+  CHECK(reinterpret_cast<void*>(d->StreamDestroy) == dlsym(d->dl_handle, "cuStreamDestroy_v2"));
+  // The default-stream names, not the per-thread (_ptsz) ones.
+  CHECK(reinterpret_cast<void*>(d->MemsetD8Async) == dlsym(d->dl_handle, "cuMemsetD8Async"));
+  CHECK(reinterpret_cast<void*>(d->StreamSynchronize) ==
+        dlsym(d->dl_handle, "cuStreamSynchronize"));
 }
 
 TEST_CASE("a missing CUDA driver gives BB_E_UNSUPPORTED with a clear message") {
@@ -388,7 +394,7 @@ TEST_CASE("cuda-vmm: an importer refuses a record whose size is not granular") {
   close(p[1]);
 }
 
-TEST_CASE("cuda-ipc: an owned lent range, one handle for all grants, no driver call per grant") {
+TEST_CASE("cuda-ipc: an owned lent range, one handle for all grants, nothing allocated per grant") {
   Clean clean;
   auto l = lender(GrantBackend::kCudaIpc, 1 * kMiB + 100);
   CHECK(l->capacity() == 1 * kMiB + 0);
@@ -400,7 +406,11 @@ TEST_CASE("cuda-ipc: an owned lent range, one handle for all grants, no driver c
   Grant a, b;
   REQUIRE(l->grant(1000, 1, &a, &err) == BB_OK);
   REQUIRE(l->grant(300, 2, &b, &err) == BB_OK);
-  CHECK(dbl().log().empty());
+  // Per grant only the clearing: one stream for all, then a memset and a wait per grant.
+  CHECK(dbl().calls() == Calls{"cuCtxGetCurrent", "cuCtxSetCurrent", "cuStreamCreate",
+                               "cuMemsetD8Async", "cuStreamSynchronize", "cuCtxSetCurrent",
+                               "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemsetD8Async",
+                               "cuStreamSynchronize", "cuCtxSetCurrent"});
   CHECK(a.handle.fd == -1);
   CHECK(a.handle.map_offset == a.offset);
   CHECK(b.handle.map_offset == b.offset);
@@ -556,4 +566,220 @@ TEST_CASE("cuda-vmm: an import failure in the other process leaves it nothing") 
     CHECK(peer.stop() == 0);
     REQUIRE(l->release(g.id, &err) == BB_OK);
   }
+}
+
+// ---- clearing: no grant shows what an earlier holder (or the trainer) left -------------------
+
+namespace {
+
+// key=value of the nth logged call of name (from 0), "" if there is none.
+std::string logged_arg(const std::string& name, const std::string& key, int nth = 0) {
+  const std::string all = dbl().log();
+  size_t pos = 0;
+  while (pos < all.size()) {
+    const size_t nl = all.find('\n', pos);
+    const std::string line = all.substr(pos, nl - pos);
+    pos = nl == std::string::npos ? all.size() : nl + 1;
+    if (line.compare(0, name.size() + 1, name + " ") != 0 || nth-- > 0) continue;
+    const size_t k = line.find(" " + key + "=");
+    if (k == std::string::npos) return "";
+    const size_t v = k + key.size() + 2;
+    return line.substr(v, line.find(' ', v) - v);
+  }
+  return "";
+}
+
+bool bytes_are(uint64_t addr, uint64_t size, unsigned char value) {
+  const auto* b = reinterpret_cast<const unsigned char*>(addr);
+  for (uint64_t i = 0; i < size; ++i)
+    if (b[i] != value) return false;
+  return true;
+}
+
+std::unique_ptr<GrantLender> lender_clearing(GrantBackend b, uint64_t bytes, bool clear) {
+  LendOptions o;
+  o.backend = b;
+  o.bytes = bytes;
+  o.clear = clear;
+  o.driver = &drv();
+  std::unique_ptr<GrantLender> l;
+  std::string err;
+  REQUIRE_MESSAGE(GrantLender::create(o, &l, &err) == BB_OK, err);
+  return l;
+}
+
+// The one memset of the last grant: on the exporter's own non-blocking stream (never the
+// default one), exactly [addr, addr + size), waited for on that stream before anything else.
+void check_cleared_on_private_stream(uint64_t addr, uint64_t size) {
+  const std::string stream = logged_arg("cuMemsetD8Async", "stream");
+  CHECK(stream != "");
+  CHECK(stream != "0");
+  CHECK(logged_arg("cuMemsetD8Async", "ptr") == std::to_string(addr));
+  CHECK(logged_arg("cuMemsetD8Async", "size") == std::to_string(size));
+  CHECK(logged_arg("cuMemsetD8Async", "value") == "0");
+  CHECK(logged_arg("cuStreamSynchronize", "stream") == stream);
+  CHECK(logged_arg("cuMemsetD8Async", "ptr", 1) == "");  // one per grant
+  const Calls order = dbl().calls("cuMemsetD8Async,cuStreamSynchronize");
+  CHECK(order == Calls{"cuMemsetD8Async", "cuStreamSynchronize"});
+}
+
+}  // namespace
+
+TEST_CASE("cuda-ipc: each grant's window is zeroed on a private stream before it is offered") {
+  Clean clean;
+  auto l = lender(GrantBackend::kCudaIpc, 4 * kMiB);
+  std::string err;
+  // The trainer fills the whole lent range (a first holder of all of it).
+  Grant all;
+  REQUIRE(l->grant(4 * kMiB, 1, &all, &err) == BB_OK);
+  const uint64_t base = l->address(all.id);
+  CHECK(bytes_are(base, 4 * kMiB, 0));  // zeroed, though cuMemAlloc left 0xa5 there
+  std::memset(reinterpret_cast<void*>(base), 0x5c, 4 * kMiB);
+  REQUIRE(l->release(all.id, &err) == BB_OK);
+
+  dbl().reset();
+  Grant g;
+  REQUIRE(l->grant(kMiB + 100, 2, &g, &err) == BB_OK);
+  REQUIRE(l->address(g.id) == base);  // the same memory, for a new owner
+  const uint64_t rounded = kMiB + 256;
+  check_cleared_on_private_stream(base, rounded);
+  CHECK(logged_arg("cuStreamCreate", "flags") == "");  // the stream of the first grant serves
+  CHECK(bytes_are(base, rounded, 0));
+  CHECK(bytes_are(base + rounded, 4 * kMiB - rounded, 0x5c));  // nothing outside the grant
+
+  // Another process, the new holder, finds its grant all zero.
+  Peer peer;
+  REQUIRE(peer.start({double_env(), "BUBBLE_CUDA_DOUBLE_FAIL="}));
+  PeerRequest req;
+  req.op = bb::test::kPeerMapWriteUnmap;
+  req.seed = 31;
+  req.grant = wire_copy(g);
+  PeerReply rep;
+  REQUIRE_MESSAGE(peer.request(req, -1, &rep, &err), err);
+  REQUIRE_MESSAGE(rep.status == BB_OK, rep.error);
+  CHECK(rep.was_zero == 1);
+  CHECK(pattern_ok(base, g.size, 31));
+  CHECK(peer.stop() == 0);
+  REQUIRE(l->release(g.id, &err) == BB_OK);
+  CHECK(dbl().counts().streams == 1);
+  dbl().reset();
+  l.reset();
+  CHECK(dbl().calls("cuStreamDestroy,cuMemFree") == Calls{"cuStreamDestroy", "cuMemFree"});
+}
+
+TEST_CASE("cuda-vmm: each grant is zeroed before its descriptor exists; the next holder reads 0") {
+  const int fds_before = count_open_fds();
+  {
+    Clean clean;
+    auto l = lender(GrantBackend::kCudaVmm, 8 * kMiB);
+    Peer peer;
+    REQUIRE(peer.start({double_env(), "BUBBLE_CUDA_DOUBLE_FAIL="}));
+    std::string err;
+    for (uint32_t holder = 1; holder <= 2; ++holder) {
+      CAPTURE(holder);
+      dbl().reset();
+      Grant g;
+      REQUIRE(l->grant(kGran, holder, &g, &err) == BB_OK);
+      CHECK(g.offset == 0);  // the same range each time
+      check_cleared_on_private_stream(l->address(g.id), kGran);
+      // Memory made, mapped for the trainer, cleared and waited for, and only then exported.
+      CHECK(dbl().calls("cuMemCreate,cuMemMap,cuMemSetAccess,cuStreamCreate,cuMemsetD8Async,"
+                        "cuStreamSynchronize,cuMemExportToShareableHandle") ==
+            (holder == 1 ? Calls{"cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuStreamCreate",
+                                 "cuMemsetD8Async", "cuStreamSynchronize",
+                                 "cuMemExportToShareableHandle"}
+                         : Calls{"cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemsetD8Async",
+                                 "cuStreamSynchronize", "cuMemExportToShareableHandle"}));
+      CHECK(logged_arg("cuStreamCreate", "flags") == (holder == 1 ? "1" : ""));  // non-blocking
+      PeerRequest req;
+      req.op = bb::test::kPeerMapWriteUnmap;
+      req.seed = 100 + holder;
+      req.grant = wire_copy(g);
+      PeerReply rep;
+      REQUIRE_MESSAGE(peer.request(req, g.handle.fd, &rep, &err), err);
+      REQUIRE_MESSAGE(rep.status == BB_OK, rep.error);
+      CHECK(rep.was_zero == 1);
+      CHECK(pattern_ok(l->address(g.id), g.size, 100 + holder));
+      REQUIRE(l->release(g.id, &err) == BB_OK);
+    }
+    CHECK(peer.stop() == 0);
+  }
+  CHECK(count_open_fds() == fds_before);
+}
+
+TEST_CASE("clear off: grants skip the memset and show what was there") {
+  const int fds_before = count_open_fds();
+  {
+    Clean clean;
+    std::string err;
+    {
+      auto l = lender_clearing(GrantBackend::kCudaIpc, 2 * kMiB, false);
+      Grant a;
+      REQUIRE(l->grant(kMiB, 1, &a, &err) == BB_OK);
+      const uint64_t at = l->address(a.id);
+      CHECK(bytes_are(at, kMiB, 0xa5));  // what cuMemAlloc left
+      std::memset(reinterpret_cast<void*>(at), 0x77, kMiB);
+      REQUIRE(l->release(a.id, &err) == BB_OK);
+      Grant b;
+      REQUIRE(l->grant(kMiB, 1, &b, &err) == BB_OK);
+      CHECK(l->address(b.id) == at);
+      CHECK(bytes_are(l->address(b.id), kMiB, 0x77));  // the previous holder's bytes
+      REQUIRE(l->release(b.id, &err) == BB_OK);
+    }
+    {
+      auto l = lender_clearing(GrantBackend::kCudaVmm, 4 * kMiB, false);
+      Grant a;
+      REQUIRE(l->grant(kGran, 1, &a, &err) == BB_OK);
+      CHECK(bytes_are(l->address(a.id), kGran, 0xa5));  // cuMemCreate does not zero
+      REQUIRE(l->release(a.id, &err) == BB_OK);
+    }
+    CHECK(dbl().calls("cuStreamCreate,cuMemsetD8Async,cuStreamSynchronize").empty());
+  }
+  CHECK(count_open_fds() == fds_before);
+}
+
+TEST_CASE("a grant whose clearing fails is not made, names the call and leaves nothing") {
+  struct Case {
+    const char* spec;
+    const char* says;
+  };
+  const Case cases[] = {
+      {"stream", "cuStreamCreate of the stream that clears grants failed: "
+                 "CUDA_ERROR_OUT_OF_MEMORY"},
+      {"memset", "cuMemsetD8Async clearing a grant failed: CUDA_ERROR_LAUNCH_FAILED"},
+      {"sync", "cuStreamSynchronize waiting for a grant to be cleared failed: "
+               "CUDA_ERROR_ILLEGAL_ADDRESS"},
+  };
+  const int fds_before = count_open_fds();
+  for (GrantBackend b : {GrantBackend::kCudaIpc, GrantBackend::kCudaVmm}) {
+    for (const Case& c : cases) {
+      CAPTURE(grant_backend_name(b));
+      CAPTURE(c.spec);
+      Clean clean;
+      auto l = lender(b, 4 * kMiB);
+      std::string err;
+      Grant g;
+      {
+        ScopedEnv env("BUBBLE_CUDA_DOUBLE_FAIL", c.spec);
+        dbl().reset();
+        CHECK(l->grant(kGran, 1, &g, &err) != BB_OK);
+        CHECK_MESSAGE(err.find(c.says) != std::string::npos, err);
+        const bbdouble_counts n = dbl().counts();
+        CHECK(n.physical == 0);
+        CHECK(n.mappings == 0);
+        CHECK(n.streams == 0);  // a stream that failed is dropped
+        CHECK(dbl().calls("cuMemExportToShareableHandle").empty());
+        const LenderStats s = l->stats();
+        CHECK(s.granted_bytes == 0);
+        CHECK(s.active == 0);
+        CHECK(s.grants_failed == 1);
+      }
+      // The range went back: the whole lent range is granted next, cleared.
+      dbl().reset();
+      REQUIRE_MESSAGE(l->grant(4 * kMiB, 1, &g, &err) == BB_OK, err);
+      CHECK(g.offset == 0);
+      CHECK(bytes_are(l->address(g.id), 4 * kMiB, 0));
+    }
+  }
+  CHECK(count_open_fds() == fds_before);
 }
