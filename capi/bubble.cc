@@ -256,8 +256,9 @@ bb_status bb_trainer_lend(bb_trainer_h trainer, const bb_lend_options_t* opts) {
     return fail(BB_E_INVALID, "opts is NULL: lending needs at least the bytes to lend "
                 "(bb_lend_options_init, then set bytes)");
   bb_lend_options_t o;
+  // Callers built before `clear_grants` existed pass the shorter struct: they get the default.
   bb_status st = read_options(opts, bb_lend_options_t BB_LEND_OPTIONS_INIT,
-                              sizeof(bb_lend_options_t), "bb_lend_options_t", &o);
+                              offsetof(bb_lend_options_t, clear_grants), "bb_lend_options_t", &o);
   if (st != BB_OK) return st;
   bb::core::LendOptions lo;
   switch (o.backend) {
@@ -272,11 +273,14 @@ bb_status bb_trainer_lend(bb_trainer_h trainer, const bb_lend_options_t* opts) {
     return fail(BB_E_INVALID, "max_grants %u is out of range 1..4096", o.max_grants);
   if (o.device < 0) return fail(BB_E_INVALID, "device %d is not a CUDA device ordinal", o.device);
   if (o.auto_grant > 1) return fail(BB_E_INVALID, "auto_grant is %u: use 0 or 1", o.auto_grant);
+  if (o.clear_grants > 1)
+    return fail(BB_E_INVALID, "clear_grants is %u: use 1 (zero every grant) or 0", o.clear_grants);
   lo.bytes = o.bytes;
   lo.max_grants = o.max_grants;
   lo.device = o.device;
   lo.device_ptr = o.device_ptr;
   lo.alignment = o.alignment;
+  lo.clear = o.clear_grants != 0;
   BB_GUARD(return trainer->impl->lend(lo, o.auto_grant != 0));
 }
 

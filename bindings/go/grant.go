@@ -45,6 +45,9 @@ type LendOptions struct {
 	MaxGrants   uint32       // 0: 64
 	Alignment   uint64       // grant unit, a power of two; 0: the backend's own
 	NoAutoGrant bool         // do not grant tasks their MemNeed when they attach
+	// Do not zero CUDA grants before a task gets them: only when every task has one owner,
+	// since a task then sees what the previous holder left.
+	NoClearGrants bool
 }
 
 // GrantInfo is a task's grant as the trainer sees it.
@@ -125,6 +128,9 @@ func (t *Trainer) Lend(opts LendOptions) error {
 	o.alignment = C.uint64_t(opts.Alignment)
 	if opts.NoAutoGrant {
 		o.auto_grant = 0
+	}
+	if opts.NoClearGrants {
+		o.clear_grants = 0
 	}
 	err = call(func() C.bb_status { return C.bb_trainer_lend(h, &o) })
 	runtime.KeepAlive(t)

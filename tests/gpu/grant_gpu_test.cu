@@ -1,5 +1,7 @@
 // Memory grants on a real GPU: the trainer lends, grants and revokes; a side-task process maps
-// the grant, a kernel writes a pattern, the trainer reads it back.
+// the grant, finds it all zero (the previous round's holder wrote the same range), a kernel
+// writes a pattern, the trainer reads it back. Lent with clearing off, a cuda-ipc grant shows
+// the previous holder's words instead.
 //
 //   bubble_grant_gpu_test [cuda-vmm|cuda-ipc|all]     (default: all)
 //
@@ -28,7 +30,7 @@ using namespace bb;
 
 namespace {
 
-constexpr uint32_t kOpGrant = 1;   // map the grant, run the kernel, reply
+constexpr uint32_t kOpGrant = 1;   // map the grant, count its non-zero words, run the kernel, reply
 constexpr uint32_t kOpRevoke = 2;  // unmap, reply (the ack)
 
 struct Request {
@@ -39,6 +41,8 @@ struct Request {
 
 struct Reply {
   int32_t status;
+  uint32_t reserved;
+  uint64_t nonzero_words;  // of the grant as the task found it, before its kernel ran
   char error[500];
 };
 
@@ -58,9 +62,10 @@ uint64_t now_ns() {
   return uint64_t(ts.tv_sec) * 1000000000ull + uint64_t(ts.tv_nsec);
 }
 
-bool reply(int sock, bb_status st, const std::string& msg) {
+bool reply(int sock, bb_status st, const std::string& msg, uint64_t nonzero = 0) {
   Reply r{};
   r.status = st;
+  r.nonzero_words = nonzero;
   std::snprintf(r.error, sizeof r.error, "%s", msg.c_str());
   std::string err;
   return shm::send_fds(sock, &r, sizeof r, nullptr, 0, &err) == BB_OK;
@@ -84,7 +89,17 @@ int run_task(int sock) {
     }
     bb_status st = core::map_grant(req.grant, fd, &held, &err);
     if (fd >= 0) close(fd);
+    uint64_t nonzero = 0;
     if (st == BB_OK) {
+      std::vector<uint32_t> seen(held->size() / 4);
+      const cudaError_t rc =
+          cudaMemcpy(seen.data(), held->ptr(), seen.size() * 4, cudaMemcpyDeviceToHost);
+      if (rc != cudaSuccess) {
+        if (!reply(sock, BB_E_SYSTEM, std::string("reading the grant: ") + cudaGetErrorString(rc)))
+          return 4;
+        continue;
+      }
+      for (uint32_t w : seen) nonzero += w != 0;
       fill<<<128, 256>>>(static_cast<uint32_t*>(held->ptr()), held->size() / 4, req.seed);
       cudaError_t ce = cudaDeviceSynchronize();
       if (ce != cudaSuccess) {
@@ -92,7 +107,7 @@ int run_task(int sock) {
         err = std::string("the kernel writing the grant failed: ") + cudaGetErrorString(ce);
       }
     }
-    if (!reply(sock, st, err)) return 4;
+    if (!reply(sock, st, err, nonzero)) return 4;
   }
 }
 
@@ -152,11 +167,12 @@ bool request(Child& c, const Request& req, int fd, Reply* rep, std::string* err)
     }                                                                  \
   } while (0)
 
-bool run_backend(core::GrantBackend backend) {
+bool run_backend(core::GrantBackend backend, bool clear = true) {
   std::string err;
   core::LendOptions o;
   o.backend = backend;
   o.bytes = 256ull << 20;
+  o.clear = clear;
   std::unique_ptr<core::GrantLender> lender;
   bb_status st = core::GrantLender::create(o, &lender, &err);
   EXPECT(st == BB_OK, "lend: %s", err.c_str());
@@ -172,6 +188,12 @@ bool run_backend(core::GrantBackend backend) {
     Reply rep{};
     EXPECT(request(task, req, g.handle.fd, &rep, &err), "%s", err.c_str());
     EXPECT(rep.status == BB_OK, "task: %s", rep.error);
+    // Every round's grant starts where the last one's holder wrote its pattern.
+    if (clear)
+      EXPECT(rep.nonzero_words == 0, "the task found %llu non-zero words in its new grant",
+             static_cast<unsigned long long>(rep.nonzero_words));
+    else if (round > 0)
+      EXPECT(rep.nonzero_words > 0, "lent without clearing, the previous holder's words are gone");
 
     // The trainer reads what the task's kernel wrote, through its own address of the grant.
     std::vector<uint32_t> host(size / 4);
@@ -193,8 +215,9 @@ bool run_backend(core::GrantBackend backend) {
   }
   core::LenderStats s = lender->stats();
   EXPECT(s.granted_bytes == 0 && s.active == 0 && s.revoking == 0, "grants left behind");
-  std::printf("ok   %s: 3 grants written by a kernel in another process, read back, revoked\n",
-              core::grant_backend_name(backend));
+  std::printf("ok   %s%s: 3 grants %s, written by a kernel in another process, read back, "
+              "revoked\n", core::grant_backend_name(backend), clear ? "" : " (clear off)",
+              clear ? "found zeroed" : "found holding the previous holder's words");
   return true;
 }
 
@@ -220,7 +243,10 @@ int main(int argc, char** argv) {
               drv->driver_version % 1000 / 10, drv->path.c_str(), n);
   bool ok = true;
   if (which == "all" || which == "cuda-vmm") ok &= run_backend(core::GrantBackend::kCudaVmm);
-  if (which == "all" || which == "cuda-ipc") ok &= run_backend(core::GrantBackend::kCudaIpc);
+  if (which == "all" || which == "cuda-ipc") {
+    ok &= run_backend(core::GrantBackend::kCudaIpc);
+    ok &= run_backend(core::GrantBackend::kCudaIpc, false);
+  }
   std::printf("%s\n", ok ? "PASS" : "FAIL");
   return ok ? 0 : 1;
 }

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 #include <string>
 #include <thread>
@@ -84,11 +85,14 @@ struct ScopedEnv {
 struct Trainer : bbtest::TrainerFixture {
   explicit Trainer(const char* job, uint32_t max_running = 1)
       : TrainerFixture(job, 0, 64, max_running) {}
-  void lend(bb_grant_backend backend, uint64_t bytes) {
+  // clear: -1 leaves the default; struct_size: 0 = the current struct.
+  void lend(bb_grant_backend backend, uint64_t bytes, int clear = -1, uint32_t struct_size = 0) {
     bb_lend_options_t lo;
     bb_lend_options_init(&lo);
     lo.backend = backend;
     lo.bytes = bytes;
+    if (clear >= 0) lo.clear_grants = uint32_t(clear);
+    if (struct_size) lo.size = struct_size;
     const bb_status st = bb_trainer_lend(h, &lo);
     INFO(bb_last_error());
     REQUIRE(st == BB_OK);
@@ -367,6 +371,11 @@ TEST_CASE("lend_and_grant_calls_reject_bad_input_with_a_clear_error") {
   lo.device_ptr = 0x1000;  // existing memory is for cuda-ipc only
   CHECK(bb_trainer_lend(t.h, &lo) == BB_E_INVALID);
   lo.device_ptr = 0;
+  lo.clear_grants = 2;
+  CHECK(bb_trainer_lend(t.h, &lo) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("clear_grants is 2") != std::string::npos);
+  // A caller built before clear_grants existed passes the shorter struct; the field is not read.
+  lo.size = offsetof(bb_lend_options_t, clear_grants);
   // Nothing lent yet: no grants, and stats say so.
   bb_grant_stats_t s{sizeof s};
   REQUIRE(bb_trainer_grant_stats(t.h, &s) == BB_OK);
@@ -427,13 +436,55 @@ bool double_counts(bbdouble_counts* c, std::string* violations) {
   return outstanding != nullptr;
 }
 
-void cuda_end_to_end(bb_grant_backend backend, const char* job) {
+// The double's call log in this process since its last reset; reset it after reading.
+std::string double_log(bool reset) {
+  void* h = dlopen(double_path().c_str(), RTLD_NOW | RTLD_NOLOAD);
+  if (!h) return "";
+  auto log = reinterpret_cast<size_t (*)(char*, size_t)>(dlsym(h, "bbdouble_log"));
+  auto rst = reinterpret_cast<void (*)()>(dlsym(h, "bbdouble_reset"));
+  std::string s;
+  if (log) {
+    s.resize(log(nullptr, 0) + 1);
+    s.resize(log(s.data(), s.size()));
+  }
+  if (reset && rst) rst();
+  dlclose(h);
+  return s;
+}
+
+// key=value of a log line, "" without it.
+std::string arg_of(const std::string& line, const std::string& key) {
+  const size_t k = line.find(" " + key + "=");
+  if (k == std::string::npos) return "";
+  const size_t v = k + key.size() + 2;
+  return line.substr(v, line.find(' ', v) - v);
+}
+
+std::vector<std::string> log_lines(const std::string& log, const std::string& name) {
+  std::vector<std::string> out;
+  size_t pos = 0;
+  while (pos < log.size()) {
+    const size_t nl = log.find('\n', pos);
+    std::string line = log.substr(pos, nl - pos);
+    pos = nl == std::string::npos ? log.size() : nl + 1;
+    if (line.compare(0, name.size() + 1, name + " ") == 0) out.push_back(line);
+  }
+  return out;
+}
+
+// clear: what the trainer lends with (-1: the default); old_struct: it passes the struct of a
+// caller built before clear_grants existed.
+void cuda_end_to_end(bb_grant_backend backend, const char* job, int clear = -1,
+                     bool old_struct = false) {
   RuntimeDir dir;
   ScopedEnv env("BUBBLE_CUDA_DRIVER", double_path());
   const int fds_before = count_fds();
+  const bool cleared = clear != 0;
   {
     Trainer t(job);
-    t.lend(backend, 16 * kMiB);
+    t.lend(backend, 16 * kMiB, clear,
+           old_struct ? uint32_t(offsetof(bb_lend_options_t, clear_grants)) : 0);
+    double_log(true);
     Child task(task_args(job, "gpu", "iterative", {"--mem", std::to_string(kMiB),
                                                    "--grant-seed", "42"}));
     REQUIRE(task.wait_line("ATTACHED") != "");
@@ -446,6 +497,28 @@ void cuda_end_to_end(bb_grant_backend backend, const char* job) {
     CHECK(g.mapped == 1);
     // The double's device memory is host memory: the trainer's device pointer reads it.
     CHECK(pattern_ok(g.address, g.bytes, 42));
+    // The hub's service thread zeroed exactly the grant, on a stream of its own, and waited for
+    // that stream before the task was told of the grant (it wrote its pattern after).
+    const std::string log = double_log(false);
+    const auto memsets = log_lines(log, "cuMemsetD8Async");
+    const auto syncs = log_lines(log, "cuStreamSynchronize");
+    INFO(log);
+    if (cleared) {
+      REQUIRE(memsets.size() == 1);
+      REQUIRE(syncs.size() == 1);
+      CHECK(arg_of(memsets[0], "ptr") == std::to_string(g.address));
+      CHECK(arg_of(memsets[0], "size") ==
+            std::to_string(backend == BB_GRANT_CUDA_VMM ? 2 * kMiB : kMiB));
+      CHECK(arg_of(memsets[0], "value") == "0");
+      CHECK(arg_of(memsets[0], "stream") != "0");
+      CHECK(arg_of(syncs[0], "stream") == arg_of(memsets[0], "stream"));
+      CHECK(log.find("cuMemsetD8Async") < log.find("cuStreamSynchronize"));
+      CHECK(syncs[0].find("-> CUDA_SUCCESS") != std::string::npos);
+    } else {
+      CHECK(memsets.empty());
+      CHECK(syncs.empty());
+      CHECK(log_lines(log, "cuStreamCreate").empty());
+    }
     const bb_grant_stats_t s = t.grants();
     CHECK(s.capacity == 16 * kMiB);
     CHECK(s.active == 1);
@@ -467,6 +540,7 @@ void cuda_end_to_end(bb_grant_backend backend, const char* job) {
   CHECK(c.reservations == 0);
   CHECK(c.device_allocs == 0);
   CHECK(c.ctx_retains == 0);
+  CHECK(c.streams == 0);
   CHECK_MESSAGE(c.violations == 0, violations);
   CHECK(count_fds() == fds_before);
 }
@@ -479,6 +553,15 @@ TEST_CASE("cuda_vmm_grant_end_to_end_through_the_driver_double") {
 
 TEST_CASE("cuda_ipc_grant_end_to_end_through_the_driver_double") {
   cuda_end_to_end(BB_GRANT_CUDA_IPC, "gp");
+}
+
+TEST_CASE("cuda_grants_of_a_caller_built_before_clear_grants_are_cleared") {
+  cuda_end_to_end(BB_GRANT_CUDA_VMM, "go", -1, true);
+}
+
+TEST_CASE("cuda_grants_lent_with_clear_grants_0_skip_the_memset") {
+  cuda_end_to_end(BB_GRANT_CUDA_VMM, "gz", 0);
+  cuda_end_to_end(BB_GRANT_CUDA_IPC, "gy", 0);
 }
 
 TEST_CASE("task_without_a_cuda_driver_gives_a_cuda_grant_back") {

@@ -75,7 +75,8 @@ class StepInfoC(Structure):
 class LendOptionsC(Structure):
     _fields_ = [("size", c_uint32), ("backend", c_uint32), ("bytes", c_uint64),
                 ("device_ptr", c_uint64), ("device", c_int32), ("max_grants", c_uint32),
-                ("alignment", c_uint64), ("auto_grant", c_uint32), ("reserved0_", c_uint32)]
+                ("alignment", c_uint64), ("auto_grant", c_uint32), ("reserved0_", c_uint32),
+                ("clear_grants", c_uint32), ("reserved1_", c_uint32)]
 
 
 class GrantInfoC(Structure):

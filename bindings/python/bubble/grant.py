@@ -145,7 +145,7 @@ class ViewScope:
 
 def lend_options(size: int, backend: GrantBackend, device_ptr: int | None, device: int,
                  max_grants: int | None, alignment: int | None,
-                 auto_grant: bool) -> _lib.LendOptionsC:
+                 auto_grant: bool, clear_grants: bool = True) -> _lib.LendOptionsC:
     opts = _lib.LendOptionsC()
     lib.bb_lend_options_init(ctypes.byref(opts))
     opts.backend = int(backend)
@@ -156,6 +156,7 @@ def lend_options(size: int, backend: GrantBackend, device_ptr: int | None, devic
         opts.max_grants = max_grants
     opts.alignment = alignment or 0
     opts.auto_grant = 1 if auto_grant else 0
+    opts.clear_grants = 1 if clear_grants else 0
     return opts
 
 

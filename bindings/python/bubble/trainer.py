@@ -200,13 +200,17 @@ class Trainer:
 
     def lend(self, size: int, *, backend: GrantBackend = GrantBackend.HOST,
              device_ptr: int | None = None, device: int = 0, max_grants: int | None = None,
-             alignment: int | None = None, auto_grant: bool = True) -> None:
+             alignment: int | None = None, auto_grant: bool = True,
+             clear_grants: bool = True) -> None:
         """Lends `size` bytes to the hub's tasks; once per hub (Busy after that).
 
         auto_grant: grant each task that states a mem_need that much when it attaches.
+        clear_grants: zero each CUDA grant on the device before a task gets it; turn it off
+        only when every task belongs to one owner (a task then sees the previous holder's data).
         device_ptr (cuda-ipc): lend this range of your own allocation, kept alive until the hub
         closes. Raises Unsupported for a CUDA backend without a usable CUDA driver."""
-        opts = lend_options(size, backend, device_ptr, device, max_grants, alignment, auto_grant)
+        opts = lend_options(size, backend, device_ptr, device, max_grants, alignment, auto_grant,
+                            clear_grants)
         check(lib.bb_trainer_lend(self._handle, ctypes.byref(opts)))
 
     def grant(self, task: int | TaskInfo, size: int | None = None) -> int:

@@ -393,9 +393,16 @@ typedef struct bb_lend_options_t {
   uint64_t alignment;   /* grant unit, a power of two; 0 (default) = the backend's own */
   uint32_t auto_grant;  /* 1 (default): grant each attached task with mem_need > 0 that much */
   uint32_t reserved0_;
+  uint32_t clear_grants; /* 1 (default): zero each cuda-ipc/cuda-vmm grant on the device before
+                            a task gets it (one memset of the grant's size, on the hub's service
+                            thread). 0 skips it: only when every task has one owner, as a task
+                            then sees what the previous holder left. Host grants always start
+                            zeroed. */
+  uint32_t reserved1_;
 } bb_lend_options_t;
 
-#define BB_LEND_OPTIONS_INIT {sizeof(bb_lend_options_t), BB_GRANT_HOST, 0u, 0u, 0, 64u, 0u, 1u, 0u}
+#define BB_LEND_OPTIONS_INIT \
+  {sizeof(bb_lend_options_t), BB_GRANT_HOST, 0u, 0u, 0, 64u, 0u, 1u, 0u, 1u, 0u}
 BB_API void bb_lend_options_init(bb_lend_options_t *opts);
 
 /* Lends memory to the hub's tasks. Once per hub (BB_E_BUSY after that); the lent memory is given

@@ -173,6 +173,7 @@ struct lend_options {
   uint32_t max_grants = 64;
   uint64_t alignment = 0;   // 0: the backend's own unit
   bool auto_grant = true;   // grant each task with a mem_need that much when it attaches
+  bool clear_grants = true; // zero CUDA grants before a task gets them; off: one owner only
 };
 
 namespace detail {
@@ -347,6 +348,7 @@ class trainer {
     lo.max_grants = o.max_grants;
     lo.alignment = o.alignment;
     lo.auto_grant = o.auto_grant ? 1u : 0u;
+    lo.clear_grants = o.clear_grants ? 1u : 0u;
     detail::check(bb_trainer_lend(h_.get(), &lo));
   }
   // Grants bytes (0: its mem_need) to a task that holds none; returns the grant's id.

@@ -1875,12 +1875,14 @@ pub struct bb_lend_options_t {
     pub alignment: u64,
     pub auto_grant: u32,
     pub reserved0_: u32,
+    pub clear_grants: u32,
+    pub reserved1_: u32,
 }
 #[test]
 fn bindgen_test_layout_bb_lend_options_t() {
     assert_eq!(
         ::std::mem::size_of::<bb_lend_options_t>(),
-        48usize,
+        56usize,
         concat!("Size of: ", stringify!(bb_lend_options_t))
     );
     assert_eq!(
@@ -2041,6 +2043,40 @@ fn bindgen_test_layout_bb_lend_options_t() {
         );
     }
     test_field_reserved0_();
+    fn test_field_clear_grants() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_lend_options_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).clear_grants) as usize - ptr as usize
+            },
+            48usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_lend_options_t),
+                "::",
+                stringify!(clear_grants)
+            )
+        );
+    }
+    test_field_clear_grants();
+    fn test_field_reserved1_() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_lend_options_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved1_) as usize - ptr as usize
+            },
+            52usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_lend_options_t),
+                "::",
+                stringify!(reserved1_)
+            )
+        );
+    }
+    test_field_reserved1_();
 }
 extern "C" {
     pub fn bb_lend_options_init(opts: *mut bb_lend_options_t);

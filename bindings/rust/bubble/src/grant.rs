@@ -88,6 +88,9 @@ pub struct LendOptions {
     pub alignment: Option<u64>,
     /// Grant each attached task with a `mem_need` that many bytes, without being asked.
     pub auto_grant: bool,
+    /// Zero each CUDA grant on the device before a task gets it. Turn it off only when every
+    /// task has one owner: a task then sees what the previous holder left.
+    pub clear_grants: bool,
 }
 
 impl Default for LendOptions {
@@ -100,6 +103,7 @@ impl Default for LendOptions {
             max_grants: 64,
             alignment: None,
             auto_grant: true,
+            clear_grants: true,
         }
     }
 }
@@ -119,6 +123,7 @@ impl LendOptions {
         o.max_grants = self.max_grants;
         o.alignment = self.alignment.unwrap_or(0);
         o.auto_grant = u32::from(self.auto_grant);
+        o.clear_grants = u32::from(self.clear_grants);
         o
     }
 }
