@@ -312,6 +312,12 @@ int cmd_list(Client& c, const std::vector<std::string>& args) {
   msg.initRoot<proto::Request>().initList().setAll(all);
   auto r = c.call(msg);
   auto list = r->getRoot<proto::Response>().getList();
+  if (const uint32_t omitted = r->getRoot<proto::Response>().getOmitted())
+    fprintf(stderr,
+            "bubblectl: the %u oldest task records were left out to keep the reply inside one "
+            "message; they stay in the agent's records (list without --all shows only queued "
+            "and live tasks)\n",
+            omitted);
   if (json) {
     std::string o = "[";
     for (unsigned i = 0; i < list.size(); ++i) o += (i ? ",\n" : "") + task_json(list[i]);

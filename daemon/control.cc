@@ -5,6 +5,7 @@
 #include "daemon/agent.h"
 #include "daemon/control_feed.h"
 #include "daemon/frame.h"
+#include "daemon/list_fit.h"
 #include "daemon/paths.h"
 #include "daemon/placement.h"
 
@@ -34,10 +35,6 @@ constexpr size_t kMaxArgs = 256;
 constexpr size_t kMaxEnv = 256;
 constexpr size_t kMaxEntryBytes = 4 << 10;
 constexpr size_t kMaxSpecBytes = 64 << 10;
-// A `list` reply carries full argv/env up to this many bytes of them; later records keep only
-// their command (argv[0]) and say so in their message. Rows stop before the frame limit.
-constexpr size_t kListSpecBudget = 4 << 20;
-constexpr size_t kListReplyBudget = 12 << 20;
 
 struct Conn {
   uv_pipe_t pipe;
@@ -231,67 +228,6 @@ void fill_record(proto::TaskRecord::Builder b, const TaskRow& r) {
   b.setNsInBubbles(r.ns_in_bubbles);
 }
 
-// Roughly what a record costs on the wire: texts are padded to words and each has a pointer.
-size_t text_cost(const std::string& t) { return (t.size() + 8) / 8 * 8 + 8; }
-
-size_t spec_cost(const TaskSpec& s) {
-  size_t n = 0;
-  for (const auto& a : s.argv) n += text_cost(a);
-  for (const auto& e : s.env) n += text_cost(e);
-  return n;
-}
-
-size_t record_cost(const TaskRow& r) {
-  return 256 + spec_cost(r.spec) + text_cost(r.spec.name) + text_cost(r.spec.cwd) +
-         text_cost(r.spec.hub) + text_cost(r.spec.mps_mem_limit) + text_cost(r.state) +
-         text_cost(r.origin) + text_cost(r.hub) + text_cost(r.message);
-}
-
-// Keeps a `list` reply well inside one frame whatever was submitted before the size bounds or
-// however long the history: past a budget, records lose their arguments and environment (their
-// message says so), and past a larger one the oldest rows are left out.
-void fit_list(std::vector<TaskRow>* rows) {
-  size_t specs = 0, total = 0;
-  for (auto& r : *rows) specs += spec_cost(r.spec);
-  if (specs > kListSpecBudget) {
-    // The newest records (highest ids) keep their full spec first.
-    std::vector<TaskRow*> order;
-    for (auto& r : *rows) order.push_back(&r);
-    std::sort(order.begin(), order.end(), [](auto* x, auto* y) { return x->id > y->id; });
-    specs = 0;
-    for (TaskRow* r : order) {
-      size_t cost = spec_cost(r->spec);
-      if (specs + cost <= kListSpecBudget) {
-        specs += cost;
-        continue;
-      }
-      if (r->spec.argv.size() > 1) r->spec.argv.resize(1);
-      if (!r->spec.argv.empty() && r->spec.argv[0].size() > kMaxEntryBytes) {
-        r->spec.argv[0].resize(kMaxEntryBytes);
-      }
-      r->spec.env.clear();
-      r->message += " [arguments and environment left out: the list reply is at its size limit]";
-    }
-  }
-  for (auto& r : *rows) total += record_cost(r);
-  if (total <= kListReplyBudget) return;
-  std::vector<size_t> idx(rows->size());
-  for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
-  std::sort(idx.begin(), idx.end(), [&](size_t x, size_t y) { return (*rows)[x].id > (*rows)[y].id; });
-  std::vector<bool> keep(rows->size(), false);
-  total = 0;
-  for (size_t i : idx) {
-    total += record_cost((*rows)[i]);
-    if (total > kListReplyBudget) break;
-    keep[i] = true;
-  }
-  std::vector<TaskRow> kept;
-  for (size_t i = 0; i < rows->size(); ++i) {
-    if (keep[i]) kept.push_back(std::move((*rows)[i]));
-  }
-  rows->swap(kept);
-}
-
 std::string read_tail(const std::string& path, uint32_t max, bool* truncated, std::string* err) {
   int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
@@ -365,7 +301,8 @@ void handle(Conn* c, capnp::MessageReader& msg) {
     case proto::Request::LIST: {
       a->refresh_all();
       std::vector<TaskRow> rows = a->tasks(req.getList().getAll());
-      fit_list(&rows);
+      const size_t omitted = fit_list(&rows, ListBudget{}, kMaxEntryBytes);
+      resp.setOmitted(static_cast<uint32_t>(std::min<size_t>(omitted, UINT32_MAX)));
       auto list = resp.initList(static_cast<unsigned>(rows.size()));
       for (size_t i = 0; i < rows.size(); ++i) fill_record(list[static_cast<unsigned>(i)], rows[i]);
       break;

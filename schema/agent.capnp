@@ -44,6 +44,9 @@ struct Response {
     events @8 :EventsReply;
     actions @9 :List(Action);
   }
+  # list: the oldest records left out to keep the reply inside one frame (0: none). They stay in
+  # the agent's records; `list` without `all` shows only queued and live tasks.
+  omitted @10 :UInt32;
 }
 
 struct Error {

@@ -4,6 +4,7 @@
 #include "agent.capnp.h"
 #include "daemon/enforcer.h"
 #include "daemon/frame.h"
+#include "daemon/list_fit.h"
 #include "daemon/placement.h"
 #include "daemon/proc.h"
 #include "daemon/store.h"
@@ -240,4 +241,49 @@ TEST_CASE("process_identity_includes_start_time") {
   CHECK(st.start_time > 0);
   CHECK(same_process(getpid(), st.start_time));
   CHECK_FALSE(same_process(getpid(), st.start_time + 1));
+}
+
+namespace {
+TaskRow row_with_args(int64_t id, size_t args, size_t arg_bytes) {
+  TaskRow r;
+  r.id = id;
+  r.spec.name = "t" + std::to_string(id);
+  r.spec.argv.push_back("/bin/task");
+  for (size_t i = 0; i < args; ++i) r.spec.argv.push_back(std::string(arg_bytes, 'x'));
+  r.spec.env.push_back("K=" + std::string(arg_bytes, 'y'));
+  r.message = "running";
+  return r;
+}
+}  // namespace
+
+TEST_CASE("list_fit_keeps_everything_under_the_budget") {
+  std::vector<TaskRow> rows;
+  for (int64_t id = 1; id <= 10; ++id) rows.push_back(row_with_args(id, 2, 100));
+  CHECK(fit_list(&rows, ListBudget{}, 4096) == 0);
+  REQUIRE(rows.size() == 10);
+  CHECK(rows[0].spec.argv.size() == 3);
+  CHECK(rows[0].message == "running");
+}
+
+TEST_CASE("list_fit_drops_arguments_of_the_oldest_first_then_says_how_many_rows_it_left_out") {
+  std::vector<TaskRow> rows;
+  for (int64_t id = 1; id <= 40; ++id) rows.push_back(row_with_args(id, 4, 1000));
+  // Room for the arguments of about ten records (about 5 KB each), and for those ten plus about
+  // ten trimmed ones (a few hundred bytes each) in all.
+  const ListBudget budget{10 * 5200, 10 * 5500 + 10 * 500};
+  const size_t omitted = fit_list(&rows, budget, 16);
+  CHECK(omitted > 0);
+  CHECK(rows.size() + omitted == 40);
+  // What is kept is the newest, in the original order.
+  for (size_t i = 1; i < rows.size(); ++i) CHECK(rows[i - 1].id < rows[i].id);
+  CHECK(rows.back().id == 40);
+  CHECK(rows.front().id == int64_t(omitted) + 1);
+  // The newest keep their arguments; older ones keep their command (cut to the entry bound)
+  // and say so.
+  CHECK(rows.back().spec.argv.size() == 5);
+  CHECK(rows.back().message == "running");
+  CHECK(rows.front().spec.argv.size() == 1);
+  CHECK(rows.front().spec.argv[0] == "/bin/task");
+  CHECK(rows.front().spec.env.empty());
+  CHECK(rows.front().message.find("arguments and environment left out") != std::string::npos);
 }
