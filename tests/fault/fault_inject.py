@@ -662,16 +662,23 @@ def run_agent_rounds(rng, rounds, soak_until, totals):
             raise Failure(f"{e}: {trainer.fds_idle} when the agent first observed the hub, now "
                           f"{fd_targets(trainer.pid)}")
         # The agent's descriptors with this hub and no live task, compared after one more
-        # launch/death cycle.
+        # launch/death cycle: nothing may be held then that was not held before. (Fewer is
+        # fine: a control connection of an earlier bubblectl call may still be open here.)
         agent_pid = agent.proc.pid
-        idle_fds = fd_count(agent_pid)
+        idle_targets = fd_targets(agent_pid)
         tid = int(agent.ctl("submit", "--name", "last", "--", FAULT_TASK, "-", "0", "last",
                             "--die-at", "started").stdout.strip())
         submitted.append(tid)
         wait_until("the last task to end",
                    lambda: agent.tasks()[tid]["state"] in FINAL_STATES)
-        wait_until("the agent's descriptors to settle", lambda: fd_count(agent_pid) == idle_fds,
-                   timeout=5)
+        def agent_extra_fds():
+            return {fd: t for fd, t in fd_targets(agent_pid).items() if idle_targets.get(fd) != t}
+        try:
+            wait_until("the agent's descriptors to settle", lambda: not agent_extra_fds(),
+                       timeout=5)
+        except Failure as e:
+            raise Failure(f"{e}: held now and not before the last task: {agent_extra_fds()}; "
+                          f"task {agent.tasks()[tid]}")
         trainer.close_cleanly()
         agent.proc.p.send_signal(signal.SIGTERM)
         check(agent.proc.reap() == 0, "the agent did not stop cleanly on SIGTERM")
