@@ -38,7 +38,9 @@ const char kUsage[] =
     "  cancel ID                        stop a task, or drop it from the queue\n"
     "  drain [--hub JOB:RANK]           stop launching (whole agent), or move tasks off a hub\n"
     "  undrain [--hub JOB:RANK]         undo drain\n"
-    "  logs ID [--stderr] [--bytes N]   the tail of a task's output\n"
+    "  logs ID [--stderr] [--bytes N] [--follow]\n"
+    "                                   the tail of a task's output; --follow: and then what\n"
+    "                                   it writes, until it has ended\n"
     "  actions [N]                      the last N enforcement actions (default 50)\n"
     "  wait ID [--timeout SECONDS]      wait until a task ends; exit 0 if it finished\n"
     "  trace [--seconds S] [-o FILE]    hubs' events as Chrome trace JSON (Perfetto)\n"
@@ -443,25 +445,42 @@ int cmd_drain(Client& c, const std::vector<std::string>& args, bool undo) {
 
 int cmd_logs(Client& c, const std::vector<std::string>& args) {
   if (args.empty()) usage_error("logs needs a task id");
-  capnp::MallocMessageBuilder msg;
-  auto l = msg.initRoot<proto::Request>().initLogs();
-  l.setTask(parse_id(args[0]));
+  const uint64_t task = parse_id(args[0]);
+  bool err_stream = false, follow = false;
+  uint32_t max_bytes = 65536;
   for (size_t i = 1; i < args.size(); ++i) {
     long long n;
-    if (args[i] == "--stderr") l.setStderr(true);
+    if (args[i] == "--stderr") err_stream = true;
+    else if (args[i] == "--follow" || args[i] == "-f") follow = true;
     else if (args[i] == "--bytes" && i + 1 < args.size() && parse_int(args[i + 1], 1, 1 << 23, &n)) {
-      l.setMaxBytes(static_cast<uint32_t>(n));
+      max_bytes = static_cast<uint32_t>(n);
       ++i;
     } else {
       usage_error("unknown logs option " + args[i]);
     }
   }
-  auto r = c.call(msg);
-  auto lr = r->getRoot<proto::Response>().getLogs();
-  if (lr.getTruncated()) fprintf(stderr, "(only the tail of %s)\n", str(lr.getPath()).c_str());
-  auto data = lr.getData();
-  fwrite(data.begin(), 1, data.size(), stdout);
-  return 0;
+  // The tail first; with --follow, then whatever the log gains, until the task has ended and
+  // everything it wrote has been printed.
+  int64_t offset = -1;
+  for (;;) {
+    capnp::MallocMessageBuilder msg;
+    auto l = msg.initRoot<proto::Request>().initLogs();
+    l.setTask(task);
+    l.setStderr(err_stream);
+    l.setMaxBytes(max_bytes);
+    l.setOffset(offset);
+    auto r = c.call(msg);
+    auto lr = r->getRoot<proto::Response>().getLogs();
+    if (lr.getTruncated()) fprintf(stderr, "(only the tail of %s)\n", str(lr.getPath()).c_str());
+    auto data = lr.getData();
+    fwrite(data.begin(), 1, data.size(), stdout);
+    fflush(stdout);
+    if (!follow) return 0;
+    const bool caught_up = static_cast<int64_t>(lr.getEnd()) == offset || data.size() < max_bytes;
+    offset = static_cast<int64_t>(lr.getEnd());
+    if (lr.getFinal() && caught_up) return 0;
+    if (caught_up) usleep(200 * 1000);
+  }
 }
 
 int cmd_actions(Client& c, const std::vector<std::string>& args) {

@@ -228,7 +228,11 @@ void fill_record(proto::TaskRecord::Builder b, const TaskRow& r) {
   b.setNsInBubbles(r.ns_in_bubbles);
 }
 
-std::string read_tail(const std::string& path, uint32_t max, bool* truncated, std::string* err) {
+// Reads up to max bytes of the log at path: its tail (offset < 0; *truncated says whether
+// earlier bytes were left out), or what follows byte `offset`. *end is the byte after what was
+// read.
+std::string read_log(const std::string& path, int64_t offset, uint32_t max, bool* truncated,
+                     uint64_t* end, std::string* err) {
   int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     *err = "no log at " + path + " yet (the task has not been launched)";
@@ -236,12 +240,20 @@ std::string read_tail(const std::string& path, uint32_t max, bool* truncated, st
   }
   struct stat st;
   fstat(fd, &st);
-  off_t start = st.st_size > static_cast<off_t>(max) ? st.st_size - max : 0;
-  *truncated = start > 0;
-  std::string out(static_cast<size_t>(st.st_size - start), '\0');
+  const off_t size = st.st_size;
+  off_t start;
+  if (offset < 0) {
+    start = size > static_cast<off_t>(max) ? size - max : 0;
+    *truncated = start > 0;
+  } else {
+    start = std::min<off_t>(static_cast<off_t>(offset), size);
+    *truncated = false;
+  }
+  std::string out(static_cast<size_t>(std::min<off_t>(size - start, max)), '\0');
   ssize_t n = pread(fd, out.data(), out.size(), start);
   close(fd);
   out.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  *end = static_cast<uint64_t>(start) + out.size();
   return out;
 }
 
@@ -380,10 +392,13 @@ void handle(Conn* c, capnp::MessageReader& msg) {
         return;
       }
       std::string path = a->log_path(tid, l.getStderr());
+      // Whether the task had ended before the read: then the read saw all it will ever write.
+      const bool final = state_is_final(a->task(tid)->state);
       bool truncated = false;
+      uint64_t end = 0;
       std::string err;
-      std::string data =
-          read_tail(path, std::min<uint32_t>(l.getMaxBytes(), 8u << 20), &truncated, &err);
+      std::string data = read_log(path, l.getOffset(), std::min<uint32_t>(l.getMaxBytes(), 8u << 20),
+                                  &truncated, &end, &err);
       if (!err.empty()) {
         send_error(c, id, proto::Error::Code::NOT_FOUND, err, false);
         return;
@@ -392,6 +407,8 @@ void handle(Conn* c, capnp::MessageReader& msg) {
       lr.setPath(path);
       lr.setData(kj::arrayPtr(reinterpret_cast<const kj::byte*>(data.data()), data.size()));
       lr.setTruncated(truncated);
+      lr.setEnd(end);
+      lr.setFinal(final);
       break;
     }
     case proto::Request::EVENTS: {

@@ -145,13 +145,16 @@ struct DrainRequest {
 struct LogsRequest {
   task @0 :UInt64;
   stderr @1 :Bool;
-  maxBytes @2 :UInt32 = 65536;  # the tail
+  maxBytes @2 :UInt32 = 65536;  # the tail, or what follows `offset`
+  offset @3 :Int64 = -1;        # >= 0: up to maxBytes from this byte of the log (following it)
 }
 
 struct LogsReply {
   path @0 :Text;
   data @1 :Data;
-  truncated @2 :Bool;
+  truncated @2 :Bool;  # the tail only: earlier bytes were left out
+  end @3 :UInt64;      # the byte after `data`: the offset to ask from next
+  final @4 :Bool;      # the task has ended: nothing more will be written
 }
 
 struct EventsRequest {

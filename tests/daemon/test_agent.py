@@ -165,3 +165,27 @@ def test_killing_the_listed_pid_alone_ends_the_task_and_records_it_once(env):
     assert t["pid"] == wrapper, t
     rows = env.tasks()
     assert len(rows) == 1, rows  # not re-adopted as a second, attached row
+
+
+def test_logs_follow_prints_what_the_task_writes_until_it_ends(env):
+    env.trainer("j", 0)
+    env.start_agent()
+    gate = os.path.join(env.root, "gate")
+    tid = env.submit("/bin/sh", "-c", "echo line1; while [ ! -e " + gate + " ]; do sleep 0.05; "
+                     "done; for i in 2 3 4; do echo line$i; sleep 0.1; done")
+    env.wait_state(tid, "running")
+    follow = subprocess.Popen([BUBBLECTL, "--socket", env.socket, "logs", str(tid), "--follow"],
+                              env=env.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # The tail as it is while the task waits at the gate; then what it writes after.
+        assert follow.stdout.readline() == "line1\n"
+        assert follow.poll() is None, "logs --follow returned while the task was still running"
+        open(gate, "w").close()
+        out, err = follow.communicate(timeout=30)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.wait()
+    assert follow.returncode == 0, err
+    assert out.splitlines() == ["line2", "line3", "line4"]
+    assert env.task(tid)["state"] == "finished"
