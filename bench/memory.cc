@@ -233,7 +233,7 @@ int main(int argc, char** argv) {
   const long page = sysconf(_SC_PAGESIZE);
   std::printf("- page size %ld bytes; trainer on CPU 0, tasks on CPU 1\n\n", page);
 
-  std::printf("hub with a full slot table (default event log of 4096 entries), MiB\n\n");
+  std::printf("hub with a full slot table (default event log: two rings of 4096 entries), MiB\n\n");
   std::printf("| slots | hub segment | hub resident | task pages | their size | their resident "
               "| total shared | per task | trainer VmRSS before open / open / full |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");

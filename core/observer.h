@@ -107,11 +107,11 @@ class HubObserver {
   HubObserver& operator=(const HubObserver&) = delete;
 
   HubSnapshot snapshot() const;
-  // Events logged since *cursor, the hub's streams merged in timestamp order; advances
-  // *cursor. Returns how many were copied (at most cap). Events overwritten before they were
-  // read are skipped, and *lost (may be null) receives their count. Each stream's events come
-  // in the order they were logged; across streams the order holds within one call (a later
-  // call may return an event of one stream older than the last one returned from the other).
+  // Events logged since *cursor; advances *cursor. Returns how many were copied (at most cap).
+  // Events overwritten before they were read are skipped, and *lost (may be null) receives
+  // their count. Each stream's events come in the order they were logged, the two streams
+  // interleaved by the timestamps of their heads. The result is not sorted by time: the
+  // service stream is not (a step is stamped at its start, reports arrive up to 10 ms late).
   size_t read_events(EventCursor* cursor, Event* out, size_t cap, uint64_t* lost = nullptr) const;
   // False once the trainer closed the hub or died.
   bool alive() const;

@@ -292,6 +292,9 @@ bb_status Task::ack_pause() {
     const bool yielded = ctl_->run_epoch.load(std::memory_order_acquire) == epoch_;
     ack(epoch_, yielded);
     epoch_ = 0;
+    // The run's START and PAUSE records, off the path of the next start (a task that always
+    // finds its next start waiting would otherwise never make room in the ring).
+    if (const bb_status cs = drain_commands(); cs != BB_OK) return cs;
   }
   // Paused means the task no longer touches its grant: the moment to give back a revoked one.
   return sync_grant(kUnmap);

@@ -353,8 +353,10 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
     c->start_free_mem.store(free_mem, std::memory_order_relaxed);
     c->start_grant_id.store(s.grant_ready.load(std::memory_order_relaxed),
                             std::memory_order_relaxed);
-    c->given_epoch.store(s.epoch, std::memory_order_release);  // publishes the block
+    // run_epoch before given_epoch: a task that sees the new start (given_epoch, acquire) then
+    // also sees it running, and does not take it for one whose bubble already ended.
     c->run_epoch.store(s.epoch, std::memory_order_release);
+    c->given_epoch.store(s.epoch, std::memory_order_release);  // publishes the block
     c->doorbell.fetch_add(1, std::memory_order_release);
     // Pairs with the task's store of `sleeping` and fence before its futex wait: either it sees
     // the new doorbell, or we see it sleeping and wake it.
@@ -383,6 +385,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
     cmd.kind = uint32_t(kind);
     cmd.grant_id = c->start_grant_id.load(std::memory_order_relaxed);
     // task_ready() saw room a moment ago: a full ring means the task moved its index backwards.
+    // It was started already; marked bad, it is paused at this bubble's end and never again.
     if (shm::ring_push(c->commands, s.page->cmd_head, s.cmd_cached_head, cmd) !=
         shm::RingStatus::kOk)
       mark_bad(i);
@@ -774,8 +777,9 @@ void Trainer::handle_hello(Conn& c) {
       if (p.get() == self) p.reset();
   };
   if (n == -EMSGSIZE) {
-    reply_error(BB_E_INVALID, "the attach message is larger than the hub protocol allows: the "
-                "peer does not speak the libbubble hub protocol");
+    reply_error(BB_E_INVALID, "the attach message is larger than the hub protocol allows or "
+                "carries descriptors it does not: the peer does not speak the libbubble hub "
+                "protocol");
     return drop();
   }
   if (n <= 0) return drop();

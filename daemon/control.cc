@@ -437,18 +437,21 @@ void handle(Conn* c, capnp::MessageReader& msg) {
           names[k].setName(name);
           ++k;
         }
-        size_t first = h->events.size();
-        while (first > 0 && h->events[first - 1].ts_ns >= from && h->events.size() - first < budget) {
-          --first;
-        }
-        unsigned n = static_cast<unsigned>(h->events.size() - first);
+        // The newest events of the window, kept in their order. The history is not sorted by
+        // time (a step is stamped at its start, task reports arrive up to 10 ms late), so the
+        // whole bounded history is looked at rather than stopping at the first older event.
+        std::vector<size_t> picked;
+        for (size_t j = h->events.size(); j-- > 0 && picked.size() < budget;)
+          if (h->events[j].ts_ns >= from) picked.push_back(j);
+        std::reverse(picked.begin(), picked.end());
+        unsigned n = static_cast<unsigned>(picked.size());
         auto ts = b.initTsNs(n);
         auto ty = b.initType(n);
         auto sl = b.initSlot(n);
         auto ea = b.initA(n);
         auto eb = b.initB(n);
         for (unsigned j = 0; j < n; ++j) {
-          const core::Event& e = h->events[first + j];
+          const core::Event& e = h->events[picked[j]];
           ts.set(j, e.ts_ns);
           ty.set(j, static_cast<uint16_t>(e.type));
           sl.set(j, e.slot);

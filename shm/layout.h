@@ -20,7 +20,8 @@ namespace bb::shm {
 
 constexpr uint64_t kHubMagic = 0x3142554842425542ull;   // "BUBBHUB1" little-endian
 constexpr uint64_t kPageMagic = 0x3147415042425542ull;  // "BUBBPAG1"
-constexpr uint32_t kLayoutVersion = 2;  // 2: the event log became one stream per writer
+// 2: the event log became one stream per writer; the slot's first line became its signal line.
+constexpr uint32_t kLayoutVersion = 2;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kNameBytes = 48;  // BB_NAME_MAX + NUL
 constexpr uint32_t kCommandRingSize = 16;

@@ -102,8 +102,8 @@ int send_msg(int sock, const void* msg, size_t size, const int* fds, int nfds, i
 
 // Receives one message (blocking per the socket's mode, or not with flags = MSG_DONTWAIT) into
 // buf (kWireMaxMessage bytes) and up to 2 descriptors (CLOEXEC; unused slots set to -1). Returns
-// the message size, 0 on EOF, or -errno. A truncated message or descriptor list gives -EMSGSIZE
-// and closes what came with it.
+// the message size, 0 on EOF, or -errno. A message too long, with more than 2 descriptors or
+// with other ancillary data gives -EMSGSIZE and closes every descriptor that came with it.
 long recv_msg(int sock, void* buf, int* fds, int* nfds, int flags = 0);
 
 // Checks magic, version, type and size of a received message. Returns false when it is not a

@@ -104,7 +104,8 @@ typedef struct bb_trainer_options_t {
   uint32_t size;           /* sizeof(bb_trainer_options_t) */
   uint32_t max_slots;      /* task slots in the hub, 1..BB_MAX_SLOTS_LIMIT; default 64 */
   uint32_t max_running;    /* tasks started in one bubble, 1..max_slots; default 1 */
-  uint32_t event_capacity; /* entries of the hub event log, power of two 64..65536; default 4096 */
+  uint32_t event_capacity; /* entries of each of the hub's two event rings (the bubble thread's
+                              and the hub service's), power of two 64..65536; default 4096 */
   const char *runtime_dir; /* where hub sockets live; may be NULL: $BUBBLE_RUNTIME_DIR, else
                               $XDG_RUNTIME_DIR/bubble, else /tmp/bubble-<uid> */
   uint32_t allow_uid;      /* a second uid allowed to attach (UINT32_MAX = only our own uid) */
@@ -215,7 +216,9 @@ typedef struct bb_trainer_stats_t {
 
 /* Counters from the bubble thread (bubbles, starts, pauses, wakes) are current; those drawn from
  * task reports (steps, task time, latencies, drops) are collected by the hub's service thread
- * every 10 ms while tasks are attached, so they trail by up to that much. */
+ * every 10 ms while tasks are attached, so they trail by up to that much. A task sends its start
+ * latency with its next report after the start (a step, or its ack), so the start-latency
+ * figures trail by up to one run of the task. */
 BB_API bb_status bb_trainer_stats(bb_trainer_h trainer, bb_trainer_stats_t *out);
 
 typedef struct bb_task_info_t {
