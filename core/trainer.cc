@@ -1144,7 +1144,7 @@ void Trainer::grant_stats(bb_grant_stats_t* out) {
     out->grants_failed = ls.grants_failed;
   }
   out->revokes = revokes_.load(std::memory_order_relaxed);
-  out->revokes_acked = revokes_acked_.load(std::memory_order_relaxed);
+  out->revokes_acked = revokes_acked_.load(std::memory_order_acquire);
   out->tasks_killed = kills_.load(std::memory_order_relaxed);
   out->released_dead = released_dead_.load(std::memory_order_relaxed);
 }
@@ -1314,11 +1314,11 @@ void Trainer::check_grant_ack(uint32_t i) {
   if (!s.grant || !s.page) return;
   // G2. Only the exact id we gave counts; any other value is the task's noise.
   if (s.page->grant_released.load(std::memory_order_acquire) != s.grant) return;
-  if (s.revoking)
-    revokes_acked_.fetch_add(1, std::memory_order_relaxed);
-  else
-    s.grant_hold = true;  // it gave the grant back unasked (e.g. it could not map it)
+  const bool revoked = s.revoking;
+  if (!revoked) s.grant_hold = true;  // it gave the grant back unasked (e.g. it could not map it)
   release_grant(i, false);
+  // Counted once the range is back in the lender: whoever sees the ack sees the memory free.
+  if (revoked) revokes_acked_.fetch_add(1, std::memory_order_release);
 }
 
 void Trainer::release_grant(uint32_t i, bool dead) {
@@ -1373,8 +1373,10 @@ void Trainer::grant_on_reclaim(uint32_t i, bool died) {
     return;
   }
   if (s.page && s.page->grant_released.load(std::memory_order_acquire) == s.grant) {
-    if (s.revoking) revokes_acked_.fetch_add(1, std::memory_order_relaxed);
-    return release_grant(i, false);
+    const bool revoked = s.revoking;
+    release_grant(i, false);
+    if (revoked) revokes_acked_.fetch_add(1, std::memory_order_release);
+    return;
   }
   if (!s.pidfd) return release_grant(i, false);  // no way to tell; see docs/GRANTS.md
   // A task that says it never mapped a host or cuda-vmm grant is believed: if it lied, it keeps
