@@ -123,11 +123,4 @@ void EventWriter::append(EventKind kind, uint16_t slot, uint64_t ts_ns, uint64_t
   log->next.store(idx + 1, std::memory_order_release);
 }
 
-void log_event(const HubView& hub, EventStream stream, EventKind kind, uint16_t slot,
-               uint64_t ts_ns, uint64_t a, uint64_t b) {
-  EventWriter w;
-  w.attach(hub, stream);
-  w.append(kind, slot, ts_ns, a, b);
-}
-
 }  // namespace bb::shm

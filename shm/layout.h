@@ -304,9 +304,5 @@ struct EventWriter {
   void append(EventKind kind, uint16_t slot, uint64_t ts_ns, uint64_t a, uint64_t b);
 };
 
-// Appends to one event stream through a writer attached for the call. Only that stream's writer
-// thread may call it.
-void log_event(const HubView& hub, EventStream stream, EventKind kind, uint16_t slot,
-               uint64_t ts_ns, uint64_t a, uint64_t b);
 
 }  // namespace bb::shm

@@ -99,8 +99,9 @@ TEST_CASE("layout_rejects_bad_magic_sizes_and_offsets") {
 TEST_CASE("layout_event_log_keeps_the_newest_entries") {
   Hub h(4, 64);
   HubView v{h.base()};
-  for (uint64_t i = 0; i < 100; ++i)
-    log_event(v, EventStream::kBubble, EventKind::kBubbleBegin, 0xffff, i, i, 0);
+  EventWriter w;
+  w.attach(v, EventStream::kBubble);
+  for (uint64_t i = 0; i < 100; ++i) w.append(EventKind::kBubbleBegin, 0xffff, i, i, 0);
   CHECK(v.events(EventStream::kBubble)->next.load() == 100);
   // Entry 99 sits at 99 % 64 and carries commit 100.
   const EventEntry& e = v.event_entries(EventStream::kBubble)[99 % 64];
@@ -111,9 +112,11 @@ TEST_CASE("layout_event_log_keeps_the_newest_entries") {
 TEST_CASE("layout_event_streams_are_separate_rings") {
   Hub h(4, 64);
   HubView v{h.base()};
-  for (uint64_t i = 0; i < 3; ++i)
-    log_event(v, EventStream::kBubble, EventKind::kBubbleBegin, 0xffff, i, 10 + i, 0);
-  log_event(v, EventStream::kService, EventKind::kTaskAttach, 2, 7, 4242, 0);
+  EventWriter bubble, service;
+  bubble.attach(v, EventStream::kBubble);
+  service.attach(v, EventStream::kService);
+  for (uint64_t i = 0; i < 3; ++i) bubble.append(EventKind::kBubbleBegin, 0xffff, i, 10 + i, 0);
+  service.append(EventKind::kTaskAttach, 2, 7, 4242, 0);
   CHECK(v.events(EventStream::kBubble)->next.load() == 3);
   CHECK(v.events(EventStream::kService)->next.load() == 1);
   const EventEntry& s0 = v.event_entries(EventStream::kService)[0];
