@@ -18,6 +18,7 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <map>
 #include <stdexcept>
 
 namespace bench {
@@ -213,6 +214,27 @@ double timer_overhead_ns() {
     x = b - a;
   }
   return summarize(std::move(v)).p50;
+}
+
+std::string clock_steps() {
+  // Back-to-back reads differ by the call's cost rounded to the clock's step: a clock that
+  // counts nanoseconds shows every value near the cost, a coarser one only multiples of its step.
+  constexpr size_t kN = 20000;
+  std::map<uint64_t, size_t> count;
+  for (size_t i = 0; i < kN; ++i) {
+    const uint64_t a = bb_now_ns();
+    const uint64_t b = bb_now_ns();
+    ++count[b - a];
+  }
+  std::string out;
+  for (const auto& [delta, n] : count) {
+    if (n * 100 < kN) continue;  // under 1%: preemption and the like
+    char b[48];
+    std::snprintf(b, sizeof b, "%s%llu ns (%.0f%%)", out.empty() ? "" : ", ",
+                  (unsigned long long)delta, 100.0 * double(n) / kN);
+    out += b;
+  }
+  return out;
 }
 
 std::string fmt_ns(double ns) {

@@ -41,6 +41,9 @@ class Channel {
 // Kernel mechanisms (always built).
 std::unique_ptr<Channel> make_futex_channel(uint32_t* shared_word);
 std::unique_ptr<Channel> make_spin_channel(uint32_t* shared_word);
+// The same spin, but the waiter reads bb_now_ns() once more before it stamps: what a start costs
+// that also times itself (libbubble's task stamps each start for the runtime's start latency).
+std::unique_ptr<Channel> make_spin_stamped_channel(uint32_t* shared_word);
 std::unique_ptr<Channel> make_eventfd_channel();
 std::unique_ptr<Channel> make_pipe_channel();
 std::unique_ptr<Channel> make_unix_socket_channel();

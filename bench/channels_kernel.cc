@@ -42,18 +42,23 @@ class FutexChannel : public Channel {
       while ((now = w_->load(std::memory_order_acquire)) == seen)
         syscall(SYS_futex, reinterpret_cast<uint32_t*>(w_), FUTEX_WAIT, seen, nullptr, nullptr, 0);
       seen = now;
+      if (stamped_) stamp_ = bb_now_ns();
       if (!on_wake()) return 0;
     }
   }
 
  private:
   std::atomic<uint32_t>* w_;
+  bool stamped_;
+  volatile uint64_t stamp_ = 0;
 };
 
 class SpinChannel : public Channel {
  public:
-  explicit SpinChannel(uint32_t* w) : w_(as_atomic(w)) {}
-  const char* name() const override { return "shared-memory spin (floor)"; }
+  SpinChannel(uint32_t* w, bool stamped) : w_(as_atomic(w)), stamped_(stamped) {}
+  const char* name() const override {
+    return stamped_ ? "shared-memory spin + one clock read" : "shared-memory spin (floor)";
+  }
   bool supports(bool busy) const override { return busy; }
   bool setup_waker(std::string*) override { return true; }
   bool signal() override {
@@ -68,12 +73,15 @@ class SpinChannel : public Channel {
       uint32_t now;
       while ((now = w_->load(std::memory_order_acquire)) == seen) __builtin_ia32_pause();
       seen = now;
+      if (stamped_) stamp_ = bb_now_ns();
       if (!on_wake()) return 0;
     }
   }
 
  private:
   std::atomic<uint32_t>* w_;
+  bool stamped_;
+  volatile uint64_t stamp_ = 0;
 };
 
 // A descriptor pair: the waker writes 8 bytes to wfd_, the waiter reads them from rfd_.
@@ -204,7 +212,12 @@ class MqueueChannel : public Channel {
 }  // namespace
 
 std::unique_ptr<Channel> make_futex_channel(uint32_t* w) { return std::make_unique<FutexChannel>(w); }
-std::unique_ptr<Channel> make_spin_channel(uint32_t* w) { return std::make_unique<SpinChannel>(w); }
+std::unique_ptr<Channel> make_spin_channel(uint32_t* w) {
+  return std::make_unique<SpinChannel>(w, false);
+}
+std::unique_ptr<Channel> make_spin_stamped_channel(uint32_t* w) {
+  return std::make_unique<SpinChannel>(w, true);
+}
 std::unique_ptr<Channel> make_eventfd_channel() { return std::make_unique<EventfdChannel>(); }
 std::unique_ptr<Channel> make_pipe_channel() { return std::make_unique<PipeChannel>(); }
 std::unique_ptr<Channel> make_unix_socket_channel() { return std::make_unique<UnixSocketChannel>(); }

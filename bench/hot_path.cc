@@ -401,14 +401,16 @@ int main(int argc, char** argv) {
   std::printf("- placement: trainers on CPU %d, tasks and floor peers on CPU %d.\n"
               "- clock: one bb_now_ns() call costs %.1f ns (median of 200 batches of 1000); begin and end read it "
               "once each, so %.0f ns of every begin+end is the clock.\n"
-              "- timing: two bb_now_ns() back to back differ by %s ns (p50); the figures include "
+              "- timing: two bb_now_ns() back to back differ by %s ns (p50; seen: %s, so single "
+              "timings here move in those steps); the figures include "
               "that per timed call, except the row of %d pairs timed as one (the mean per pair "
               "of each batch; the target is read there).\n"
               "- floor: spinning rows, two handshakes (each a store to a word a peer spins on + a "
               "seq_cst fence + a load of a line the peer wrote, timed like begin and end with a "
               "timer delta each) plus the two clock reads begin and end make; sleeping rows, a bare FUTEX_WAKE of a process in "
               "FUTEX_WAIT on a shared word, after the same gap (%.0f us).\n\n",
-              kTrainerCpu, kTaskCpu, clock_ns, 2 * clock_ns, fmt_ns(timer).c_str(), kBatch,
+              kTrainerCpu, kTaskCpu, clock_ns, 2 * clock_ns, fmt_ns(timer).c_str(),
+              clock_steps().c_str(), kBatch,
               double(kSleepGapNs) / 1e3);
 
   std::printf("(a-c) begin+end on one hub (max_slots %u), ns\n\n", kMaxSlots);

@@ -52,6 +52,7 @@ constexpr uint64_t kSecond = 1'000'000'000ull;
 struct Words {
   alignas(64) uint32_t futex_word;
   alignas(64) uint32_t spin_word;
+  alignas(64) uint32_t spin_stamped_word;
 };
 
 // ------------------------------------------------------------------------------------------
@@ -573,22 +574,28 @@ int main(int argc, char** argv) {
   signal(SIGPIPE, SIG_IGN);
   RuntimeDir dir;
   const size_t sleep_n = args.quick ? 500 : 6000, busy_n = args.quick ? 2000 : 20000;
-  const int rounds = args.quick ? 1 : 3;
+  // Many short rounds: the VM's wake-up cost drifts over seconds, and a drift that lands on one
+  // mechanism's run and not another's moves their ratio.
+  const int rounds = args.quick ? 1 : 12;
   std::printf("- placement: waker / trainer on CPU %d, waiter / task on CPU %d; gap before each "
               "signal %.0f us (blocking) or %.0f us (busy); %d round(s), peers taking turns; "
-              "the first %zu wake-ups of every run left out\n\n",
+              "the first %zu wake-ups of every run left out\n"
+              "- clock: two bb_now_ns() back to back differ by %s, so a latency here moves in "
+              "those steps\n\n",
               kWakerCpu, kWaiterCpu, double(kSleepGapNs) / 1e3, double(kBusyGapNs) / 1e3, rounds,
-              kWarmup);
+              kWarmup, clock_steps().c_str());
 
   Shared<Words> words;
   std::unique_ptr<Roudi> roudi;
   if (peers) roudi = std::make_unique<Roudi>(dir.path());
 
   double libbubble_p50[2] = {0, 0}, floor_p50[2] = {0, 0}, iceoryx_p50[2] = {0, 0};
+  double stamped_p50 = 0;  // the spin floor plus one clock read
   for (int busy = 0; busy <= 1; ++busy) {
     std::vector<std::unique_ptr<Channel>> chans;
     if (peers) {
       if (busy) chans.push_back(make_spin_channel(&words->spin_word));
+      if (busy) chans.push_back(make_spin_stamped_channel(&words->spin_stamped_word));
       else chans.push_back(make_futex_channel(&words->futex_word));
       chans.push_back(make_eventfd_channel());
       chans.push_back(make_pipe_channel());
@@ -624,9 +631,12 @@ int main(int argc, char** argv) {
     const double fl = peers && !rows[1].samples.empty() ? summarize(rows[1].samples).p50 : 0;
     floor_p50[busy] = fl;
     libbubble_p50[busy] = summarize(rows[0].samples).p50;
-    for (const Row& r : rows)
+    for (const Row& r : rows) {
       if (r.name.rfind("iceoryx", 0) == 0 && !r.samples.empty())
         iceoryx_p50[busy] = summarize(r.samples).p50;
+      if (r.name.find("one clock read") != std::string::npos && !r.samples.empty())
+        stamped_p50 = summarize(r.samples).p50;
+    }
     print_latency_table(busy ? "(a,d) one-way wake latency, waiter busy-polling"
                              : "(a,d) one-way wake latency, waiter blocked",
                         ordered, fl, busy ? "spin floor" : "futex floor");
@@ -708,6 +718,11 @@ int main(int argc, char** argv) {
                 fmt_us(libbubble_p50[1]).c_str(), fmt_us(floor_p50[1]).c_str(),
                 libbubble_p50[1] / floor_p50[1],
                 vs_target(libbubble_p50[1] / floor_p50[1], 1.1).c_str());
+  if (floor_p50[1] > 0 && stamped_p50 > 0)
+    std::printf("  (the spin plus the one clock read a libbubble start makes to time itself: %s us, "
+                "%.2f of the floor; libbubble / that = %.2f)\n",
+                fmt_us(stamped_p50).c_str(), stamped_p50 / floor_p50[1],
+                libbubble_p50[1] / stamped_p50);
   for (int busy = 0; busy <= 1; ++busy)
     if (iceoryx_p50[busy] > 0)
       std::printf("- %s: libbubble p50 %s us vs iceoryx %s us: %s\n",

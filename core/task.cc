@@ -232,10 +232,10 @@ bb_status Task::reattach() {
   }
 }
 
-bool Task::flush_steps() {
+bool Task::flush_steps(uint32_t keep_free) {
   if (pending_steps_.count == 0) return true;
-  if (shm::ring_push(page_->reports, ctl_->report_head, report_cached_head_, pending_steps_) !=
-      shm::RingStatus::kOk)
+  if (shm::ring_push(page_->reports, ctl_->report_head, report_cached_head_, pending_steps_,
+                     keep_free) != shm::RingStatus::kOk)
     return false;
   pending_steps_.count = 0;
   return true;
@@ -249,9 +249,13 @@ void Task::push_report(shm::ReportType type, uint64_t a, uint64_t b, uint64_t ts
     started_report_.count = 0;
   }
   shm::Report r{uint16_t(type), 1, epoch_, ts ? ts : now_ns(), a, b};
-  const bool flushed = flush_steps();
-  if (flushed && shm::ring_push(page_->reports, ctl_->report_head, report_cached_head_, r) ==
-                     shm::RingStatus::kOk)
+  // Steps fill at most half of the ring: the rest stays free for the reports that cannot be
+  // folded together (STARTED, PAUSED, FINISHED), so a task stepping faster than the hub service
+  // drains loses none of those. Steps past that are folded into one report until there is room.
+  const uint32_t keep_free = type == shm::ReportType::kStep ? shm::kReportRingSize / 2 : 0;
+  const bool flushed = flush_steps(keep_free);
+  if (flushed && shm::ring_push(page_->reports, ctl_->report_head, report_cached_head_, r,
+                                keep_free) == shm::RingStatus::kOk)
     return;
   if (type == shm::ReportType::kStep && pending_steps_.count < UINT16_MAX) {
     if (pending_steps_.count == 0) {

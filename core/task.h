@@ -51,7 +51,7 @@ class Task {
   bb_status wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until);
   bb_status drain_commands();  // the command ring's records, between runs
   void push_report(shm::ReportType type, uint64_t a, uint64_t b, uint64_t ts = 0);
-  bool flush_steps();
+  bool flush_steps(uint32_t keep_free);
   void ack(uint32_t epoch, bool yielded);
   void finish_report(bool failed);
   // Grants: apply what the trainer's grant words say (unmap a revoked grant, map an offered one).

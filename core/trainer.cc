@@ -93,6 +93,7 @@ namespace {
 constexpr uint64_t kHelloTimeoutNs = 2'000'000'000ull;
 constexpr size_t kMaxPeers = 64;  // connections holding no task slot
 constexpr uint64_t kServiceTickNs = 10'000'000ull;  // report draining while tasks are attached
+constexpr uint64_t kServiceBusyTickNs = 1'000'000ull;  // ... while a task's reports pile up
 constexpr uint64_t kMaxSaneNs = 3600'000'000'000ull;
 
 int pidfd_open(pid_t pid) { return int(syscall(SYS_pidfd_open, pid, 0)); }
@@ -643,7 +644,10 @@ void Trainer::serve() {
       pfds.push_back({doomed_[k].pidfd.get(), POLLIN, 0});
       who.push_back(kDoomedBase - int(k));
     }
-    int timeout_ms = any_task || any_hello || !doomed_.empty() ? int(kServiceTickNs / 1000000) : -1;
+    // A task whose report ring was found half full or more is reporting faster than one tick
+    // drains: look again sooner, so its reports find room.
+    const uint64_t tick = reports_busy_ ? kServiceBusyTickNs : kServiceTickNs;
+    int timeout_ms = any_task || any_hello || !doomed_.empty() ? int(tick / 1000000) : -1;
     // A revoke's deadline is kept to the millisecond, not to the next tick.
     if (const uint64_t d = next_grant_deadline()) {
       const uint64_t now = now_ns();
@@ -1013,6 +1017,7 @@ void Trainer::free_released() {
 
 void Trainer::drain_reports() {
   shm::HubStats* hs = hub_.stats();
+  reports_busy_ = false;
   for (uint32_t i = 0; i < opts_.max_slots; ++i) {
     Slot& s = slots_[i];
     if (!s.page_map) continue;
@@ -1023,6 +1028,7 @@ void Trainer::drain_reports() {
     for (uint32_t k = 0; k < shm::kReportRingSize; ++k) {
       const shm::RingStatus st = shm::ring_pop(p->reports, ctl->report_head, &rep);
       if (st == shm::RingStatus::kEmpty) break;
+      if (k == shm::kReportRingSize / 2) reports_busy_ = true;
       if (st == shm::RingStatus::kCorrupt) {
         ctl->bad.store(1, std::memory_order_relaxed);
         hs->bad.fetch_add(1, std::memory_order_relaxed);

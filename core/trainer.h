@@ -86,7 +86,7 @@ class Trainer {
   void attach_task(Conn& c, const void* msg);
   void handle_observer_request(Conn& c);
   void reclaim(uint32_t slot, bool died);
-  void drain_reports();
+  void drain_reports();  // sets reports_busy_
   void free_released();
   void publish_change() { slots_changed_.fetch_add(1, std::memory_order_seq_cst); }
   void task_message(Conn& c);
@@ -137,6 +137,7 @@ class Trainer {
   uint32_t running_[BB_MAX_SLOTS_LIMIT];
 
   shm::EventWriter service_log_;  // the service thread's
+  bool reports_busy_ = false;     // service thread: a report ring was half full at the last drain
 
   // Written by the bubble thread, read by anyone.
   std::atomic<uint64_t> starts_{0}, pauses_{0}, wakes_{0};

@@ -10,6 +10,7 @@
 //   S2: consumer copies entry, then head (release)  ->  producer loads head (acquire), reuses slot.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -29,14 +30,18 @@ enum class RingStatus { kOk, kEmpty, kFull, kCorrupt };
 
 // Producer side. `head` is the consumer's index (another party's memory: validated).
 // `cached_head` is the producer's private copy, reread only when the ring looks full.
+// `keep_free` entries are left for other pushes: a producer whose records differ in worth keeps
+// room for the ones it cannot fold together (the ring counts as full for this push when fewer
+// than keep_free + 1 entries are free).
 template <typename T, uint32_t N>
 RingStatus ring_push(RingData<T, N>& ring, const std::atomic<uint64_t>& head,
-                     uint64_t& cached_head, const T& value) {
+                     uint64_t& cached_head, const T& value, uint32_t keep_free = 0) {
   const uint64_t tail = ring.tail.load(std::memory_order_relaxed);
-  if (tail - cached_head >= N) {
+  const uint64_t limit = N - std::min<uint64_t>(keep_free, N - 1);
+  if (tail - cached_head >= limit) {
     cached_head = head.load(std::memory_order_acquire);  // S2
     if (cached_head > tail) return RingStatus::kCorrupt;
-    if (tail - cached_head >= N) return RingStatus::kFull;
+    if (tail - cached_head >= limit) return RingStatus::kFull;
   }
   std::memcpy(&ring.entries[tail & (N - 1)], &value, sizeof(T));
   ring.tail.store(tail + 1, std::memory_order_release);  // S1

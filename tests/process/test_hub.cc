@@ -3,7 +3,9 @@
 #include <bubble/bubble.h>
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>
@@ -371,6 +373,66 @@ TEST_CASE("observer_counts_events_overwritten_before_it_read_them") {
   CHECK(n == 64);  // the newest lap
   CHECK(lost == 200 - 64);
   CHECK(buf[n - 1].type == bb::core::EventType::kBubbleEnd);
+  obs.reset();
+  bb_trainer_close(h);
+}
+
+TEST_CASE("a_task_stepping_faster_than_the_hub_drains_loses_no_start_or_pause_report") {
+  // Steps of well under a microsecond fill the task's report ring many times over between two
+  // drains; the steps are folded together, the starts and pauses all arrive.
+  RuntimeDir dir;
+  bb_trainer_options_t o;
+  bb_trainer_options_init(&o);
+  o.event_capacity = 65536;  // room for every event of the run: none may be lapped
+  bb_trainer_h h = nullptr;
+  REQUIRE(bb_trainer_open("flood", 0, &o, &h) == BB_OK);
+  std::unique_ptr<bb::core::HubObserver> obs;
+  std::string err;
+  REQUIRE(bb::core::HubObserver::open("", "flood", 0, &obs, &err) == BB_OK);
+  Child task(task_args("flood", "fast", "iterative", {"--step-us", "0"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  auto stats = [&] {
+    bb_trainer_stats_t s{sizeof s};
+    REQUIRE(bb_trainer_stats(h, &s) == BB_OK);
+    return s;
+  };
+  REQUIRE(eventually([&] { return stats().tasks_attached == 1; }));
+  for (int i = 0; i < 2000 && stats().starts < 30; ++i) {
+    // Announced longer than it lasts: the task steps until the end pauses it.
+    REQUIRE(bb_bubble_begin(h, 10'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    REQUIRE(bb_bubble_end(h) == BB_OK);
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+  const uint64_t starts = stats().starts;
+  REQUIRE(starts >= 30);
+  // Every start is reported once by a STARTED and once by a PAUSED report (its ack).
+  using ET = bb::core::EventType;
+  bb::core::EventCursor cursor;
+  std::vector<bb::core::Event> buf(4096);
+  uint64_t started = 0, paused = 0, steps = 0, lost = 0;
+  CHECK(eventually([&] {
+    for (;;) {
+      uint64_t l = 0;
+      const size_t n = obs->read_events(&cursor, buf.data(), buf.size(), &l);
+      lost += l;
+      for (size_t k = 0; k < n; ++k) {
+        started += buf[k].type == ET::kTaskStart;
+        paused += buf[k].type == ET::kTaskPause;
+        steps += buf[k].type == ET::kTaskStep;
+      }
+      if (n < buf.size()) break;
+    }
+    return started == starts && paused == starts;
+  }));
+  CHECK(lost == 0);
+  CHECK(started == starts);
+  CHECK(paused == starts);
+  CHECK(steps > 0);
+  const bb_trainer_stats_t s = stats();
+  CHECK(s.events_dropped == 0);
+  CHECK(s.pause_latency_p50_ns > 0);
+  CHECK(s.steps > starts);  // folded reports still count every step
   obs.reset();
   bb_trainer_close(h);
 }

@@ -39,6 +39,26 @@ TEST_CASE("ring_push_pop_in_order_until_full") {
   CHECK(bb::shm::ring_has_room(r.data, r.head));
 }
 
+TEST_CASE("ring_push_keeps_room_for_other_pushes_when_asked") {
+  Ring8 r;
+  // Pushes that keep 3 entries free stop at 5; plain pushes still fill the rest.
+  for (uint64_t i = 0; i < 5; ++i)
+    CHECK(bb::shm::ring_push(r.data, r.head, r.cached, Item{i, 0}, 3) == RingStatus::kOk);
+  CHECK(bb::shm::ring_push(r.data, r.head, r.cached, Item{5, 0}, 3) == RingStatus::kFull);
+  for (uint64_t i = 5; i < 8; ++i)
+    CHECK(bb::shm::ring_push(r.data, r.head, r.cached, Item{i, 0}) == RingStatus::kOk);
+  CHECK(bb::shm::ring_push(r.data, r.head, r.cached, Item{8, 0}) == RingStatus::kFull);
+  // Once the consumer makes room the reserve counts from its new index.
+  Item it;
+  for (int i = 0; i < 4; ++i) REQUIRE(bb::shm::ring_pop(r.data, r.head, &it) == RingStatus::kOk);
+  CHECK(bb::shm::ring_push(r.data, r.head, r.cached, Item{8, 0}, 3) == RingStatus::kOk);
+  CHECK(bb::shm::ring_push(r.data, r.head, r.cached, Item{9, 0}, 3) == RingStatus::kFull);
+  // A reserve of the whole ring or more still lets a push into an empty ring.
+  Ring8 e;
+  CHECK(bb::shm::ring_push(e.data, e.head, e.cached, Item{0, 0}, 100) == RingStatus::kOk);
+  CHECK(bb::shm::ring_push(e.data, e.head, e.cached, Item{1, 0}, 100) == RingStatus::kFull);
+}
+
 TEST_CASE("ring_wraps_around_many_times") {
   Ring8 r;
   Item it;

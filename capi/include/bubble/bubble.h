@@ -216,7 +216,8 @@ typedef struct bb_trainer_stats_t {
 
 /* Counters from the bubble thread (bubbles, starts, pauses, wakes) are current; those drawn from
  * task reports (steps, task time, latencies, drops) are collected by the hub's service thread
- * every 10 ms while tasks are attached, so they trail by up to that much. A task sends its start
+ * every 10 ms while tasks are attached (every 1 ms while a task reports faster than that drains),
+ * so they trail by up to that much. A task sends its start
  * latency with its next report after the start (a step, or its ack), so the start-latency
  * figures trail by up to one run of the task. */
 BB_API bb_status bb_trainer_stats(bb_trainer_h trainer, bb_trainer_stats_t *out);
