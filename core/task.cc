@@ -25,12 +25,6 @@ constexpr int64_t kLivenessSliceNs = 100'000'000;
 constexpr uint64_t kMinSpinNs = 1'000;
 constexpr uint64_t kReattachPollNs = 50'000'000;
 
-void sleep_ns(uint64_t ns) {
-  timespec ts{time_t(ns / 1000000000), long(ns % 1000000000)};
-  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
-  }
-}
-
 }  // namespace
 
 bb_status Task::attach(const char* job_id, uint32_t rank, const char* name,
@@ -62,19 +56,20 @@ Task::~Task() {
     if (epoch_ != 0) ack(epoch_, false);
     page_->state.store(uint32_t(shm::TaskRunState::kFinished), std::memory_order_release);
   }
+  release();
+}
+
+void Task::release() {
   // Give the grant back before the connection closes, and one offered but never mapped too: a
   // task that leaves holding one may be killed by the trainer, since it might go on using it.
-  if (sock_) {
+  // That includes leaving because the trainer is closing: it waits for its memory to come back.
+  if (sock_ && ctl_) {
     (void)drop_grant();
     GrantWords w;
     if (read_grant(ctl_, &w) && w.grant_id != 0 && w.grant_id != grant_id_ &&
         w.grant_id != grant_refused_)
       give_back(w.grant_id);
   }
-  release();
-}
-
-void Task::release() {
   // Without a trainer there is nothing to run for: should_pause() says so without touching the
   // (now unmapped) slot.
   trainer_lost_ = true;

@@ -68,7 +68,7 @@ struct Trainer::Slot {
 // A grant call from another thread, carried out by the service thread (which owns the slots'
 // connections and grant words), so no lock is ever shared with it beyond the queue.
 struct Trainer::Request {
-  enum Op { kGrant, kRevoke, kInfo, kWake } op = kGrant;
+  enum Op { kGrant, kRevoke, kInfo, kWake, kTakeBack } op = kGrant;
   uint64_t task_id = 0;
   uint64_t bytes = 0;
   uint64_t deadline_ns = 0;
@@ -109,6 +109,10 @@ constexpr uint64_t kDefaultRevokeNs = 1'000'000'000ull;
 // by its pidfd (an exiting process closes its files a moment before it is reaped, and its memory
 // is already gone by then) before it is taken for one that left its slot alive, and killed.
 constexpr uint64_t kLeaveGraceNs = 500'000'000ull;
+// bb_trainer_close: how long past the take-back deadline it waits for killed tasks to be
+// reported dead, and how often it looks.
+constexpr uint64_t kCloseDeathWaitNs = 2'000'000'000ull;
+constexpr uint64_t kCloseWaitPollNs = 1'000'000ull;
 // A task marked bad is never started again: its grant is asked back with this deadline.
 constexpr uint64_t kBadTaskRevokeNs = 5'000'000'000ull;
 constexpr int kMaxTaskMessages = 16;  // per wake-up, so a chatty task cannot hog the service
@@ -233,6 +237,7 @@ void Trainer::shutdown() {
     }
   }
   if (service_.joinable()) {
+    wait_grants_back();
     stopping_.store(true, std::memory_order_release);
     uint64_t one = 1;
     (void)!write(wake_fd_.get(), &one, sizeof one);
@@ -1201,6 +1206,10 @@ void Trainer::do_request(Request& r) {
     retry_grants_ = true;  // lend(): new memory to hand out
     return;
   }
+  if (r.op == Request::kTakeBack) {
+    take_back_grants(r.deadline_ns);
+    return;
+  }
   const uint32_t i = uint32_t(r.task_id & 0xffffffffu);
   if (i >= opts_.max_slots || slots_[i].state.load(std::memory_order_relaxed) !=
                                   uint32_t(SlotState::kActive) ||
@@ -1235,6 +1244,7 @@ void Trainer::do_request(Request& r) {
       return;
     }
     case Request::kWake:
+    case Request::kTakeBack:
       return;
     case Request::kInfo: {
       bb_grant_info_t& o = *r.info;
@@ -1407,6 +1417,46 @@ void Trainer::grant_on_reclaim(uint32_t i, bool died) {
   s.grant_ready.store(0, std::memory_order_release);
 }
 
+void Trainer::wait_grants_back() {
+  GrantLender* l = lender_.load(std::memory_order_acquire);
+  if (!l) return;
+  const LenderStats st = l->stats();
+  if (st.active + st.revoking == 0) return;
+  // The tasks were told the trainer is closing and let go of their grants as they notice; a
+  // revoke with a deadline covers the ones that do not (killed at it, like any revoke). Only
+  // then may the lent memory go: a task still mapping it could otherwise reach whatever the
+  // trainer (or, with cuda-ipc over the caller's allocation, the caller) puts there next.
+  Request r;
+  r.op = Request::kTakeBack;
+  r.deadline_ns = now_ns() + kDefaultRevokeNs;
+  if (submit(&r) != BB_OK) return;
+  // Past the deadline a killed task needs a moment to be reported dead. A process the kill
+  // cannot reach (another uid) is not waited for beyond this; docs/GRANTS.md says so.
+  const uint64_t give_up = r.deadline_ns + kCloseDeathWaitNs;
+  for (;;) {
+    const LenderStats now = l->stats();
+    if (now.active + now.revoking == 0 || now_ns() >= give_up) return;
+    sleep_ns(kCloseWaitPollNs);
+  }
+}
+
+void Trainer::take_back_grants(uint64_t deadline_ns) {
+  taking_back_ = true;  // and no new grant from here on
+  for (uint32_t i = 0; i < opts_.max_slots; ++i) {
+    Slot& s = slots_[i];
+    if (!s.grant || s.pending_free) continue;
+    if (s.revoking) {
+      s.revoke_deadline_ns = std::min(s.revoke_deadline_ns, deadline_ns);
+      continue;
+    }
+    std::string ignored;
+    (void)start_revoke(i, deadline_ns, &ignored);
+  }
+  // Tasks that left their slot still holding a grant are killed at the same deadline at the
+  // latest.
+  for (Doomed& d : doomed_) d.kill_at_ns = std::min(d.kill_at_ns, deadline_ns);
+}
+
 uint64_t Trainer::next_grant_deadline() const {
   uint64_t d = 0;
   for (uint32_t i = 0; i < opts_.max_slots; ++i) {
@@ -1442,7 +1492,7 @@ void Trainer::grant_tick(uint64_t now) {
         kill_task(i, ids[k]);  // released when its pidfd reports the death
     }
   }
-  if (!retry_grants_ || !auto_grant_.load(std::memory_order_relaxed)) return;
+  if (!retry_grants_ || !auto_grant_.load(std::memory_order_relaxed) || taking_back_) return;
   retry_grants_ = false;
   for (uint32_t i = 0; i < opts_.max_slots; ++i) {
     Slot& s = slots_[i];

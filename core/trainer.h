@@ -105,6 +105,8 @@ class Trainer {
   bool send_kill(int pidfd, uint32_t slot, int32_t pid, uint64_t grant_id);
   void ring_doorbell(uint32_t slot);
   uint64_t next_grant_deadline() const;
+  void wait_grants_back();                     // bb_trainer_close, before the service stops
+  void take_back_grants(uint64_t deadline_ns);  // service thread
 
   std::string job_;
   uint32_t rank_ = 0;
@@ -172,6 +174,7 @@ class Trainer {
   };
   std::vector<Doomed> doomed_;
   bool retry_grants_ = true;
+  bool taking_back_ = false;  // bb_trainer_close is taking every grant back
   std::atomic<uint64_t> revokes_{0}, revokes_acked_{0}, kills_{0}, released_dead_{0};
 };
 

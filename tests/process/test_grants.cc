@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -294,6 +295,51 @@ TEST_CASE("task_leaving_its_slot_still_mapping_a_grant_is_killed") {
   REQUIRE(eventually([&] { return t.grants().released_dead == 1; }));
   CHECK(t.grants().tasks_killed == 1);
   check_lender_empty(t.grants());
+}
+
+// Whether the process maps a host grant (a memfd the lender named bubble-grant).
+bool maps_host_grant(int pid) {
+  std::ifstream maps("/proc/" + std::to_string(pid) + "/maps");
+  std::string line;
+  while (std::getline(maps, line))
+    if (line.find("bubble-grant") != std::string::npos) return true;
+  return false;
+}
+
+TEST_CASE("close_returns_once_a_task_gave_its_grant_back") {
+  RuntimeDir dir;
+  const auto shm_before = bbtest::dev_shm();
+  Trainer t("gc");
+  t.lend(BB_GRANT_HOST, 1 * kMiB);
+  // It outlives its trainer (waiting for another to open the hub), so a task taken for one that
+  // kept its grant would be killed, not merely exit.
+  Child task(task_args("gc", "polite", "iterative",
+                       {"--mem", "65536", "--grant-seed", "3", "--wait", "--reattach-ms", "60000"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(t.until_granted(task) != 0);
+  REQUIRE(maps_host_grant(task.pid()));
+  // The task hears the trainer is closing, unmaps its grant and says so; close waits for that
+  // rather than free the memory under it, and does not kill a task that let go.
+  bb_trainer_close(t.h);
+  t.h = nullptr;
+  CHECK_FALSE(maps_host_grant(task.pid()));
+  CHECK(task.wait_exit(0) == -1);  // alive, waiting for a trainer
+  CHECK(dir.files().empty());
+  CHECK(bbtest::dev_shm() == shm_before);
+}
+
+TEST_CASE("close_kills_a_task_that_keeps_its_grant_before_the_memory_goes") {
+  RuntimeDir dir;
+  Trainer t("gq");
+  t.lend(BB_GRANT_HOST, 1 * kMiB);
+  Child task(task_args("gq", "clingy", "grant-hang", {"--mem", "65536", "--grant-seed", "4"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(t.until_granted(task) != 0);
+  // It never calls libbubble again: close revokes the grant, kills it at the deadline and
+  // returns once the kernel reports it dead.
+  bb_trainer_close(t.h);
+  t.h = nullptr;
+  CHECK(killed_by_sigkill(task.wait_exit(0)));
 }
 
 TEST_CASE("grants_never_overlap_and_freed_ranges_coalesce_for_a_waiting_task") {

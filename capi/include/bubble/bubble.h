@@ -121,7 +121,10 @@ BB_API void bb_trainer_options_init(bb_trainer_options_t *opts);
 BB_API bb_status bb_trainer_open(const char *job_id, uint32_t rank,
                                  const bb_trainer_options_t *opts, bb_trainer_h *out);
 /* Stops every attached task (they see BB_E_TRAINER_GONE or re-attach, by their option), removes
- * the hub's files and frees the handle. NULL is accepted. */
+ * the hub's files and frees the handle. NULL is accepted. With memory lent, it first takes every
+ * grant back: tasks give theirs back as they leave; one that has not within 1 s is killed, and
+ * close returns once it is reported dead (so at most about 3 s with a task that clings on). After
+ * it returns no attached task maps the lent memory. */
 BB_API bb_status bb_trainer_close(bb_trainer_h trainer);
 
 /* A bubble starts now. expected_ns: its expected length (0 = predict it from earlier bubbles of
