@@ -293,6 +293,23 @@ void handle(Conn* c, capnp::MessageReader& msg) {
                "the first request on a connection must be hello (protocol version check)", true);
     return;
   }
+  // Clients let in with --allow-uid watch; only the agent's own uid changes what it runs. A task
+  // is started with the agent's uid and rights, so a submission from another uid would run its
+  // command as the agent (as root, for an agent run by root).
+  if ((which == proto::Request::SUBMIT || which == proto::Request::CANCEL ||
+       which == proto::Request::DRAIN) &&
+      c->uid != getuid()) {
+    send_error(c, id, proto::Error::Code::PERMISSION,
+               "uid " + std::to_string(c->uid) + " may watch this agent (--allow-uid) but not " +
+                   (which == proto::Request::SUBMIT ? "submit tasks"
+                    : which == proto::Request::CANCEL ? "cancel tasks"
+                                                      : "drain hubs") +
+                   ": tasks run as the agent's uid (" + std::to_string(getuid()) +
+                   "), so only that uid may change them; run your own `bubbled` to run tasks "
+                   "as yourself",
+               false);
+    return;
+  }
   switch (which) {
     case proto::Request::SUBMIT: {
       TaskSpec spec;

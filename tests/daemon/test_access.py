@@ -58,3 +58,27 @@ def test_allowed_uid_gets_in(rooted):
     open_up(env)
     r = env.ctl("list", check=False, prefix=AS_NOBODY)
     assert r.returncode == 0, r.stderr
+
+
+def test_allowed_uid_watches_but_cannot_change_what_runs(rooted):
+    # Tasks run with the agent's uid: a submission from another uid would run as the agent (as
+    # root here), so an allowed uid may look but not submit, cancel or drain.
+    env = rooted
+    env.start_agent("--allow-uid", str(NOBODY))
+    open_up(env)
+    tid = env.submit("/bin/sleep", "30")
+    for args, what in ((("submit", "--", "/bin/true"), "submit tasks"),
+                       (("cancel", str(tid)), "cancel tasks"),
+                       (("drain",), "drain hubs")):
+        r = env.ctl(*args, check=False, prefix=AS_NOBODY)
+        assert r.returncode != 0, args
+        assert f"uid {NOBODY} may watch this agent (--allow-uid) but not {what}" in r.stderr
+        assert "run your own `bubbled`" in r.stderr
+    r = env.ctl("list", "--all", check=False, prefix=AS_NOBODY)
+    assert r.returncode == 0, r.stderr
+    assert "sleep" in r.stdout
+    # Nothing was submitted, cancelled or drained by the refused requests.
+    rows = env.ctl("list", "--all").stdout
+    assert "/bin/true" not in rows
+    assert env.status()["draining"] is False
+    env.ctl("cancel", str(tid))  # the owner still may
