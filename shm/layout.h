@@ -21,7 +21,7 @@ namespace bb::shm {
 constexpr uint64_t kHubMagic = 0x3142554842425542ull;   // "BUBBHUB1" little-endian
 constexpr uint64_t kPageMagic = 0x3147415042425542ull;  // "BUBBPAG1"
 // 2: the event log became one stream per writer; the slot's first line became its signal line.
-constexpr uint32_t kLayoutVersion = 2;
+constexpr uint32_t kLayoutVersion = 3;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kNameBytes = 48;  // BB_NAME_MAX + NUL
 constexpr uint32_t kCommandRingSize = 16;
@@ -194,15 +194,25 @@ static_assert(offsetof(SlotCtl, stop) == kCacheLine, "the signal line is one cac
 enum class TaskRunState : uint32_t { kIdle = 0, kRunning = 1, kFinished = 2, kFailed = 3 };
 
 // The page a task writes. Nothing in it is trusted by the trainer.
+//
+// The words the bubble thread reads sit on lines of their own, apart from the ones the task
+// writes when it starts: a line the task has just written costs the trainer a cache miss to
+// read, and the trainer reads the ack line when it picks tasks and when a bubble ends, and the
+// sleep line after every signal. So a task that starts and runs (or spins) leaves both in the
+// trainer's cache; only its ack moves the ack line.
 struct alignas(kCacheLine) TaskPage {
   uint64_t magic;
   uint32_t layout_version;
   uint32_t slot;
-  alignas(kCacheLine) std::atomic<uint32_t> sleeping;      // 1 while in (or entering) futex wait
-  std::atomic<uint32_t> state;                             // TaskRunState
-  std::atomic<uint32_t> acked_epoch;                       // last run epoch it acked a pause for
-  std::atomic<uint32_t> started_epoch;
+  // The ack line: written when the task acks a run (and drains its commands, which it does then).
+  alignas(kCacheLine) std::atomic<uint32_t> acked_epoch;   // last run epoch it acked a pause for
+  uint32_t reserved0;
   std::atomic<uint64_t> cmd_head;                          // consumer index of commands
+  // The sleep line: written only around a futex wait.
+  alignas(kCacheLine) std::atomic<uint32_t> sleeping;      // 1 while in (or entering) futex wait
+  // Status for observers, written at every start and ack; off the bubble thread's path.
+  alignas(kCacheLine) std::atomic<uint32_t> state;         // TaskRunState
+  std::atomic<uint32_t> started_epoch;
   std::atomic<uint64_t> ack_ns;
   std::atomic<uint64_t> dropped;                           // reports lost to a full ring
   // Report channel: the task produces, the trainer's hub service consumes (SlotCtl::report_head).
