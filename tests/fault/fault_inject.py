@@ -50,6 +50,9 @@ import sys
 import tempfile
 import time
 
+import procs
+from procs import pids_with_env
+
 FAULT_TRAINER = os.environ.get("FAULT_TRAINER", "")
 FAULT_TASK = os.environ.get("FAULT_TASK", "")
 BUBBLED = os.environ.get("BUBBLED", "")
@@ -66,24 +69,18 @@ LEND_BYTES = 16 << 20
 DEADLINE_S = 20.0
 
 
-class Failure(Exception):
-    pass
+class Failure(AssertionError):
+    """A broken invariant; the timeouts of procs.wait_until are AssertionErrors too."""
+
+
+def wait_until(what, pred, timeout=DEADLINE_S):
+    # A short interval: the conditions polled here are cheap, and rounds are short.
+    return procs.wait_until(what, pred, timeout, interval=0.01)
 
 
 def check(cond, what):
     if not cond:
         raise Failure(what)
-
-
-def wait_until(what, pred, timeout=DEADLINE_S, interval=0.01):
-    end = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < end:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval)
-    raise Failure(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
 def fd_count(pid="self"):
@@ -126,29 +123,6 @@ def children_of_self():
         except OSError:
             pass
     return out
-
-
-def pids_with_env(marker):
-    needle = marker.encode()
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                if needle in f.read():
-                    out.append(int(d))
-        except OSError:
-            pass
-    return out
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def dev_shm():
@@ -322,13 +296,7 @@ class World:
     def teardown(self):
         for p in self.procs:
             p.kill()
-        for _ in range(3):
-            for pid in pids_with_env(self.marker):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.02)
+        procs.kill_marked(self.marker, pause=0.02)
         for p in self.procs:
             p.close()
         shutil.rmtree(self.root, ignore_errors=True)
@@ -658,7 +626,7 @@ def run_agent_rounds(rng, rounds, soak_until, totals):
         try:
             wait_until("the trainer's descriptors to settle (no task attached, one observer)",
                        lambda: fd_kinds(trainer.pid) == trainer.fds_idle, timeout=5)
-        except Failure as e:
+        except AssertionError as e:
             raise Failure(f"{e}: {trainer.fds_idle} when the agent first observed the hub, now "
                           f"{fd_targets(trainer.pid)}")
         # The agent's descriptors with this hub and no live task, compared after one more
@@ -676,7 +644,7 @@ def run_agent_rounds(rng, rounds, soak_until, totals):
         try:
             wait_until("the agent's descriptors to settle", lambda: not agent_extra_fds(),
                        timeout=5)
-        except Failure as e:
+        except AssertionError as e:
             raise Failure(f"{e}: held now and not before the last task: {agent_extra_fds()}; "
                           f"task {agent.tasks()[tid]}")
         trainer.close_cleanly()
@@ -722,7 +690,7 @@ def main():
     try:
         run_hub_rounds(rng, args.rounds, t0 + soak_half, totals, args.strict)
         run_agent_rounds(rng, args.agent_rounds, time.monotonic() + soak_half, totals)
-    except Failure as e:
+    except AssertionError as e:
         print(f"FAILED (seed {seed}): {e}", flush=True)
         for k, v in sorted(totals.c.items()):
             print(f"  {k}: {v}")
