@@ -4,20 +4,21 @@ points, with every invariant checked after every round.
 
     fault_inject.py [--rounds N] [--agent-rounds M] [--seed S] [--soak SECONDS]
 
-Environment (set by CTest): FAULT_TRAINER, FAULT_TASK, BUBBLED, BUBBLECTL (built programs).
+Environment (set by CTest): FAULT_TRAINER (bb_test_trainer), FAULT_TASK (bb_test_task), BUBBLED,
+BUBBLECTL (built programs).
 BB_FAULT_ROUNDS / BB_FAULT_AGENT_ROUNDS / BB_FAULT_SEED / BB_FAULT_SOAK_S override the flags'
 defaults; --soak (or BB_FAULT_SOAK_S) keeps running rounds until that many seconds have passed.
 --strict (or BB_FAULT_STRICT=1) also fails on the known gaps listed in docs/RELIABILITY.md,
 which are otherwise counted in the totals as "KNOWN GAP: ...".
 
-Hub rounds (no agent): a bb_fault_trainer lends host memory (auto grants) and runs bubbles;
-1..4 bb_fault_task processes attach, some needing memory (so they hold grants), some waiting
+Hub rounds (no agent): a trainer (bb_test_trainer --commands) lends host memory (auto grants)
+and runs bubbles; 1..4 imperative tasks (bb_test_task --die-at ...) attach, some needing memory (so they hold grants), some waiting
 for a restarted trainer. Each task may SIGKILL itself at a protocol point (attached, started,
 inside a step, between seeing a pause and acking it, just after acking, holding a grant); the
 driver SIGKILLs others from outside at random times (often while they wait for a start), and
 may SIGKILL the trainer or close it cleanly, then starts a new one.
 
-Agent rounds: bubbled supervises tasks submitted through bubblectl onto a bb_fault_trainer;
+Agent rounds: bubbled supervises tasks submitted through bubblectl onto such a trainer;
 the driver SIGKILLs the agent, the trainer or task processes at random and restarts them.
 
 After every round, checked (a failure names the round and the seed to replay it):
@@ -63,7 +64,8 @@ LIVE_STATES = {"queued", "running", "stopped", "stopping"}
 FINAL_STATES = {"finished", "failed", "killed", "cancelled", "lost"}
 # What a task was doing when the driver killed it, from its last line.
 WHERE = {"ATTACHED": "just attached", "WAITING": "waiting for a start",
-         "RUN": "running in a bubble", "DYING": "about to kill itself", "RESULT": "returning"}
+         "STARTED": "running in a bubble",
+         "GRANT": "running in a bubble", "DYING": "about to kill itself", "RESULT": "returning"}
 GRANT_BYTES = 1 << 20
 LEND_BYTES = 16 << 20
 DEADLINE_S = 20.0
@@ -236,11 +238,11 @@ class Trainer:
     def __init__(self, world, job):
         self.world = world
         self.job = job
-        self.proc = world.spawn([FAULT_TRAINER, job, "0", "--lend", str(LEND_BYTES),
-                                 "--bubble-us", "800", "--gap-us", "400"],
+        self.proc = world.spawn([FAULT_TRAINER, job, "0", "--lend", f"host:{LEND_BYTES}",
+                                 "--bubble-us", "800", "--gap-us", "400", "--commands"],
                                 stdin=True, log=world.log("trainer"))
-        line = self.proc.wait_line("OPEN")
-        check(line, f"the trainer did not open its hub: {self.proc.lines}")
+        line = self.proc.wait_line("OPEN") and self.proc.wait_line("LENT")
+        check(line, f"the trainer did not open its hub and lend: {self.proc.lines}")
         # With no task attached: its fixed descriptors, and its listening socket (an observer
         # may already be connected, so sockets are counted apart).
         self.fds_idle = (fd_kinds(self.pid)[0], 1)
@@ -310,16 +312,17 @@ class Totals:
         self.c[key] += n
 
 
-def task_argv(rng, job, name, totals):
+def task_argv(rng, job, name, totals, may_wait=True):
+    """A task that dies at a random protocol point; a task with a grant writes it."""
     die = rng.choice(POINTS)
     mem = GRANT_BYTES if rng.random() < 0.5 else 0
-    argv = [FAULT_TASK, job, "0", name, "--die-at", die, "--die-after", str(rng.randint(1, 12)),
-            "--step-us", str(rng.choice([50, 100, 300]))]
+    argv = [FAULT_TASK, job, "0", name, "imperative", "--wake", "sleep", "--die-at", die,
+            "--die-after", str(rng.randint(1, 12)), "--step-us", str(rng.choice([50, 100, 300]))]
     if mem:
-        argv += ["--mem", str(mem)]
+        argv += ["--mem", str(mem), "--grant-seed", "1"]
         totals.add("tasks with a grant")
-    if rng.random() < 0.3:
-        argv += ["--wait"]
+    if rng.random() < 0.3 and may_wait:
+        argv += ["--wait", "--reattach-ms", "30000"]
     return argv, die
 
 
@@ -570,8 +573,7 @@ def run_agent_rounds(rng, rounds, soak_until, totals):
         while rnd < rounds or time.monotonic() < soak_until:
             what = f"agent round {rnd}"
             for i in range(rng.randint(1, 3)):
-                argv, die = task_argv(rng, "-", f"a{rnd}-{i}", totals)
-                argv = [a for a in argv if a != "--wait"]
+                argv, die = task_argv(rng, "-", f"a{rnd}-{i}", totals, may_wait=False)
                 opts = ["--name", f"a{rnd}-{i}"]
                 if "--mem" in argv:
                     opts += ["--mem", str(GRANT_BYTES)]
@@ -635,7 +637,7 @@ def run_agent_rounds(rng, rounds, soak_until, totals):
         agent_pid = agent.proc.pid
         idle_targets = fd_targets(agent_pid)
         tid = int(agent.ctl("submit", "--name", "last", "--", FAULT_TASK, "-", "0", "last",
-                            "--die-at", "started").stdout.strip())
+                            "imperative", "--wake", "sleep", "--die-at", "started").stdout.strip())
         submitted.append(tid)
         wait_until("the last task to end",
                    lambda: agent.tasks()[tid]["state"] in FINAL_STATES)
