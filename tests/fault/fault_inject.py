@@ -392,16 +392,16 @@ def hub_round(rng, world, state, rnd, totals):
             if trainer_fate < 0.15:
                 trainer.sigkill()
                 totals.add("trainers SIGKILLed")
-                state["trainer"] = trainer = restart_after_kill(world, tasks, totals,
-                                                                state["strict"])
+                state["trainer"] = trainer = restart_trainer(world, tasks, totals,
+                                                             state["strict"], "was killed")
             elif trainer_fate < 0.25:
                 trainer.close_cleanly()
                 totals.add("trainers closed cleanly and reopened")
                 check(not os.listdir(world.runtime),
                       f"round {rnd}: runtime dir not empty after a clean close: "
                       f"{os.listdir(world.runtime)}")
-                state["trainer"] = trainer = restart_after_close(world, tasks, totals,
-                                                                 state["strict"])
+                state["trainer"] = trainer = restart_trainer(world, tasks, totals,
+                                                             state["strict"], "closed")
         time.sleep(0.005)
     # Where did the tasks die by themselves?
     for p, die, _ in tasks:
@@ -459,21 +459,14 @@ def told_trainer_gone(p, totals, what, strict):
                   f"(last lines {p.lines[-3:]})")
 
 
-def restart_after_kill(world, tasks, totals, strict):
-    # A SIGKILLed trainer leaves its socket and lock file (a stale hub) and nothing else: the
-    # hub and task pages are memfds. A new trainer must take the name over.
+def restart_trainer(world, tasks, totals, strict, what):
+    """A new trainer after the last one `what` ("was killed" or "closed"). A SIGKILLed trainer
+    leaves its socket and lock file (a stale hub) and nothing else: the hub and task pages are
+    memfds. The new trainer must take the name over."""
     t = Trainer(world, "fj")
     for p, _, waits in tasks:
         if p.p.poll() is None and not waits and "ATTACHED" in p.seen:
-            told_trainer_gone(p, totals, "was killed", strict)
-    return t
-
-
-def restart_after_close(world, tasks, totals, strict):
-    t = Trainer(world, "fj")
-    for p, _, waits in tasks:
-        if p.p.poll() is None and not waits and "ATTACHED" in p.seen:
-            told_trainer_gone(p, totals, "closed", strict)
+            told_trainer_gone(p, totals, what, strict)
     return t
 
 
