@@ -11,14 +11,13 @@ import shutil
 import struct
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 import bubble
 
-from procs import Child, Children
+from procs import Child, Children, poll_until
 
 HERE = Path(__file__).resolve().parent
 STEP_MS = "2"
@@ -60,13 +59,8 @@ def begin(trainer: bubble.Trainer) -> int:
     return seq
 
 
-def eventually(pred, timeout: float = 20.0) -> bool:
-    end = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > end:
-            return False
-        time.sleep(0.005)
-    return True
+def eventually(pred, timeout: float = 20.0):
+    return poll_until(pred, timeout, interval=0.005)
 
 
 def run_one_bubble(trainer: bubble.Trainer, tasks: dict[str, Child]) -> str:
@@ -142,10 +136,8 @@ def test_tasks_in_five_languages_share_one_hub(runtime_dir: str) -> None:
         assert tasks[victim].proc.returncode == -9, "the victim was never started"
         survivors = {n: c for n, c in tasks.items() if n != victim}
 
-        deadline = time.monotonic() + 20
-        while victim in {t.name for t in trainer.tasks()}:
-            assert time.monotonic() < deadline, "the killed task's slot was not reclaimed"
-            time.sleep(0.01)
+        assert eventually(lambda: victim not in {t.name for t in trainer.tasks()}), \
+            "the killed task's slot was not reclaimed"
 
         before = {t.name: t.steps for t in trainer.tasks()}
         ran_after: set[str] = set()

@@ -7,9 +7,10 @@ import shutil
 import signal
 import subprocess
 import tempfile
-import time
 
 import pytest
+
+from procs import kill_marked, wait_until
 
 BUBBLED = os.environ.get("BUBBLED", "")
 BUBBLECTL = os.environ.get("BUBBLECTL", "")
@@ -25,34 +26,6 @@ for _name, _path in [("BUBBLED", BUBBLED), ("BUBBLECTL", BUBBLECTL), ("TRAINER_S
         raise RuntimeError(f"{_name} must point to the built program (run these tests through ctest)")
 
 DEADLINE_S = 30.0
-
-
-def wait_until(what, pred, timeout=DEADLINE_S, interval=0.05):
-    """Polls pred until it returns a truthy value; fails the test naming `what` after timeout."""
-    end = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < end:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what} (last: {last!r})")
-
-
-def pids_with_env(marker):
-    """Processes whose environment contains marker (our private runtime dir)."""
-    out = []
-    needle = marker.encode()
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                if needle in f.read():
-                    out.append(int(d))
-        except OSError:
-            pass
-    return out
 
 
 class Env:
@@ -156,13 +129,7 @@ class Env:
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
-        for _ in range(3):
-            for pid in pids_with_env(self.marker):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.05)
+        kill_marked(self.marker)
         for p in self.procs:
             try:
                 p.wait(timeout=10)

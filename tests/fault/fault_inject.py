@@ -4,20 +4,21 @@ points, with every invariant checked after every round.
 
     fault_inject.py [--rounds N] [--agent-rounds M] [--seed S] [--soak SECONDS]
 
-Environment (set by CTest): FAULT_TRAINER, FAULT_TASK, BUBBLED, BUBBLECTL (built programs).
+Environment (set by CTest): FAULT_TRAINER (bb_test_trainer), FAULT_TASK (bb_test_task), BUBBLED,
+BUBBLECTL (built programs).
 BB_FAULT_ROUNDS / BB_FAULT_AGENT_ROUNDS / BB_FAULT_SEED / BB_FAULT_SOAK_S override the flags'
 defaults; --soak (or BB_FAULT_SOAK_S) keeps running rounds until that many seconds have passed.
 --strict (or BB_FAULT_STRICT=1) also fails on the known gaps listed in docs/RELIABILITY.md,
 which are otherwise counted in the totals as "KNOWN GAP: ...".
 
-Hub rounds (no agent): a bb_fault_trainer lends host memory (auto grants) and runs bubbles;
-1..4 bb_fault_task processes attach, some needing memory (so they hold grants), some waiting
+Hub rounds (no agent): a trainer (bb_test_trainer --commands) lends host memory (auto grants)
+and runs bubbles; 1..4 imperative tasks (bb_test_task --die-at ...) attach, some needing memory (so they hold grants), some waiting
 for a restarted trainer. Each task may SIGKILL itself at a protocol point (attached, started,
 inside a step, between seeing a pause and acking it, just after acking, holding a grant); the
 driver SIGKILLs others from outside at random times (often while they wait for a start), and
 may SIGKILL the trainer or close it cleanly, then starts a new one.
 
-Agent rounds: bubbled supervises tasks submitted through bubblectl onto a bb_fault_trainer;
+Agent rounds: bubbled supervises tasks submitted through bubblectl onto such a trainer;
 the driver SIGKILLs the agent, the trainer or task processes at random and restarts them.
 
 After every round, checked (a failure names the round and the seed to replay it):
@@ -50,6 +51,9 @@ import sys
 import tempfile
 import time
 
+import procs
+from procs import pids_with_env
+
 FAULT_TRAINER = os.environ.get("FAULT_TRAINER", "")
 FAULT_TASK = os.environ.get("FAULT_TASK", "")
 BUBBLED = os.environ.get("BUBBLED", "")
@@ -60,30 +64,25 @@ LIVE_STATES = {"queued", "running", "stopped", "stopping"}
 FINAL_STATES = {"finished", "failed", "killed", "cancelled", "lost"}
 # What a task was doing when the driver killed it, from its last line.
 WHERE = {"ATTACHED": "just attached", "WAITING": "waiting for a start",
-         "RUN": "running in a bubble", "DYING": "about to kill itself", "RESULT": "returning"}
+         "STARTED": "running in a bubble",
+         "GRANT": "running in a bubble", "DYING": "about to kill itself", "RESULT": "returning"}
 GRANT_BYTES = 1 << 20
 LEND_BYTES = 16 << 20
 DEADLINE_S = 20.0
 
 
-class Failure(Exception):
-    pass
+class Failure(AssertionError):
+    """A broken invariant; the timeouts of procs.wait_until are AssertionErrors too."""
+
+
+def wait_until(what, pred, timeout=DEADLINE_S):
+    # A short interval: the conditions polled here are cheap, and rounds are short.
+    return procs.wait_until(what, pred, timeout, interval=0.01)
 
 
 def check(cond, what):
     if not cond:
         raise Failure(what)
-
-
-def wait_until(what, pred, timeout=DEADLINE_S, interval=0.01):
-    end = time.monotonic() + timeout
-    last = None
-    while time.monotonic() < end:
-        last = pred()
-        if last:
-            return last
-        time.sleep(interval)
-    raise Failure(f"timed out after {timeout:.0f} s waiting for {what} (last: {last!r})")
 
 
 def fd_count(pid="self"):
@@ -126,29 +125,6 @@ def children_of_self():
         except OSError:
             pass
     return out
-
-
-def pids_with_env(marker):
-    needle = marker.encode()
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                if needle in f.read():
-                    out.append(int(d))
-        except OSError:
-            pass
-    return out
-
-
-def alive(pid):
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def dev_shm():
@@ -262,11 +238,11 @@ class Trainer:
     def __init__(self, world, job):
         self.world = world
         self.job = job
-        self.proc = world.spawn([FAULT_TRAINER, job, "0", "--lend", str(LEND_BYTES),
-                                 "--bubble-us", "800", "--gap-us", "400"],
+        self.proc = world.spawn([FAULT_TRAINER, job, "0", "--lend", f"host:{LEND_BYTES}",
+                                 "--bubble-us", "800", "--gap-us", "400", "--commands"],
                                 stdin=True, log=world.log("trainer"))
-        line = self.proc.wait_line("OPEN")
-        check(line, f"the trainer did not open its hub: {self.proc.lines}")
+        line = self.proc.wait_line("OPEN") and self.proc.wait_line("LENT")
+        check(line, f"the trainer did not open its hub and lend: {self.proc.lines}")
         # With no task attached: its fixed descriptors, and its listening socket (an observer
         # may already be connected, so sockets are counted apart).
         self.fds_idle = (fd_kinds(self.pid)[0], 1)
@@ -322,13 +298,7 @@ class World:
     def teardown(self):
         for p in self.procs:
             p.kill()
-        for _ in range(3):
-            for pid in pids_with_env(self.marker):
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            time.sleep(0.02)
+        procs.kill_marked(self.marker, pause=0.02)
         for p in self.procs:
             p.close()
         shutil.rmtree(self.root, ignore_errors=True)
@@ -342,16 +312,17 @@ class Totals:
         self.c[key] += n
 
 
-def task_argv(rng, job, name, totals):
+def task_argv(rng, job, name, totals, may_wait=True):
+    """A task that dies at a random protocol point; a task with a grant writes it."""
     die = rng.choice(POINTS)
     mem = GRANT_BYTES if rng.random() < 0.5 else 0
-    argv = [FAULT_TASK, job, "0", name, "--die-at", die, "--die-after", str(rng.randint(1, 12)),
-            "--step-us", str(rng.choice([50, 100, 300]))]
+    argv = [FAULT_TASK, job, "0", name, "imperative", "--wake", "sleep", "--die-at", die,
+            "--die-after", str(rng.randint(1, 12)), "--step-us", str(rng.choice([50, 100, 300]))]
     if mem:
-        argv += ["--mem", str(mem)]
+        argv += ["--mem", str(mem), "--grant-seed", "1"]
         totals.add("tasks with a grant")
-    if rng.random() < 0.3:
-        argv += ["--wait"]
+    if rng.random() < 0.3 and may_wait:
+        argv += ["--wait", "--reattach-ms", "30000"]
     return argv, die
 
 
@@ -421,16 +392,16 @@ def hub_round(rng, world, state, rnd, totals):
             if trainer_fate < 0.15:
                 trainer.sigkill()
                 totals.add("trainers SIGKILLed")
-                state["trainer"] = trainer = restart_after_kill(world, tasks, totals,
-                                                                state["strict"])
+                state["trainer"] = trainer = restart_trainer(world, tasks, totals,
+                                                             state["strict"], "was killed")
             elif trainer_fate < 0.25:
                 trainer.close_cleanly()
                 totals.add("trainers closed cleanly and reopened")
                 check(not os.listdir(world.runtime),
                       f"round {rnd}: runtime dir not empty after a clean close: "
                       f"{os.listdir(world.runtime)}")
-                state["trainer"] = trainer = restart_after_close(world, tasks, totals,
-                                                                 state["strict"])
+                state["trainer"] = trainer = restart_trainer(world, tasks, totals,
+                                                             state["strict"], "closed")
         time.sleep(0.005)
     # Where did the tasks die by themselves?
     for p, die, _ in tasks:
@@ -488,21 +459,14 @@ def told_trainer_gone(p, totals, what, strict):
                   f"(last lines {p.lines[-3:]})")
 
 
-def restart_after_kill(world, tasks, totals, strict):
-    # A SIGKILLed trainer leaves its socket and lock file (a stale hub) and nothing else: the
-    # hub and task pages are memfds. A new trainer must take the name over.
+def restart_trainer(world, tasks, totals, strict, what):
+    """A new trainer after the last one `what` ("was killed" or "closed"). A SIGKILLed trainer
+    leaves its socket and lock file (a stale hub) and nothing else: the hub and task pages are
+    memfds. The new trainer must take the name over."""
     t = Trainer(world, "fj")
     for p, _, waits in tasks:
         if p.p.poll() is None and not waits and "ATTACHED" in p.seen:
-            told_trainer_gone(p, totals, "was killed", strict)
-    return t
-
-
-def restart_after_close(world, tasks, totals, strict):
-    t = Trainer(world, "fj")
-    for p, _, waits in tasks:
-        if p.p.poll() is None and not waits and "ATTACHED" in p.seen:
-            told_trainer_gone(p, totals, "closed", strict)
+            told_trainer_gone(p, totals, what, strict)
     return t
 
 
@@ -602,8 +566,7 @@ def run_agent_rounds(rng, rounds, soak_until, totals):
         while rnd < rounds or time.monotonic() < soak_until:
             what = f"agent round {rnd}"
             for i in range(rng.randint(1, 3)):
-                argv, die = task_argv(rng, "-", f"a{rnd}-{i}", totals)
-                argv = [a for a in argv if a != "--wait"]
+                argv, die = task_argv(rng, "-", f"a{rnd}-{i}", totals, may_wait=False)
                 opts = ["--name", f"a{rnd}-{i}"]
                 if "--mem" in argv:
                     opts += ["--mem", str(GRANT_BYTES)]
@@ -658,7 +621,7 @@ def run_agent_rounds(rng, rounds, soak_until, totals):
         try:
             wait_until("the trainer's descriptors to settle (no task attached, one observer)",
                        lambda: fd_kinds(trainer.pid) == trainer.fds_idle, timeout=5)
-        except Failure as e:
+        except AssertionError as e:
             raise Failure(f"{e}: {trainer.fds_idle} when the agent first observed the hub, now "
                           f"{fd_targets(trainer.pid)}")
         # The agent's descriptors with this hub and no live task, compared after one more
@@ -667,7 +630,7 @@ def run_agent_rounds(rng, rounds, soak_until, totals):
         agent_pid = agent.proc.pid
         idle_targets = fd_targets(agent_pid)
         tid = int(agent.ctl("submit", "--name", "last", "--", FAULT_TASK, "-", "0", "last",
-                            "--die-at", "started").stdout.strip())
+                            "imperative", "--wake", "sleep", "--die-at", "started").stdout.strip())
         submitted.append(tid)
         wait_until("the last task to end",
                    lambda: agent.tasks()[tid]["state"] in FINAL_STATES)
@@ -676,7 +639,7 @@ def run_agent_rounds(rng, rounds, soak_until, totals):
         try:
             wait_until("the agent's descriptors to settle", lambda: not agent_extra_fds(),
                        timeout=5)
-        except Failure as e:
+        except AssertionError as e:
             raise Failure(f"{e}: held now and not before the last task: {agent_extra_fds()}; "
                           f"task {agent.tasks()[tid]}")
         trainer.close_cleanly()
@@ -722,7 +685,7 @@ def main():
     try:
         run_hub_rounds(rng, args.rounds, t0 + soak_half, totals, args.strict)
         run_agent_rounds(rng, args.agent_rounds, time.monotonic() + soak_half, totals)
-    except Failure as e:
+    except AssertionError as e:
         print(f"FAILED (seed {seed}): {e}", flush=True)
         for k, v in sorted(totals.c.items()):
             print(f"  {k}: {v}")

@@ -1,6 +1,8 @@
-/* A side task for the multi-process tests, written against the public C ABI only.
+/* A side task for the multi-process and fault-injection tests, written against the public C
+ * ABI only.
  *
  *   bb_test_task JOB RANK NAME MODE [options]
+ *   JOB "-" takes the hub from $BUBBLE_JOB / $BUBBLE_RANK (as the agent launches tasks).
  *   MODE: iterative   bb_task_run with busy steps of --step-us
  *         imperative  bb_task_wait_start / should_pause / ack_pause loop
  *         ignore      attaches and then never reads a command or acks (a hung task)
@@ -11,13 +13,19 @@
  *                     sleeps (a task that leaves its slot still mapping the grant)
  *   --step-us N, --prio N, --mem N, --min-step-us N, --max-steps N (then BB_STEP_DONE),
  *   --wait (re-attach when the trainer goes away), --reattach-ms N,
+ *   --wake predictive|sleep|spin (how it waits for a start),
  *   --grant-seed N: fill each new grant with the pattern word(i) = N ^ (i * 2654435761), and
  *   print "GRANT <id> <bytes>" once it is written (iterative, imperative and the grant modes)
+ *   --die-at POINT [--die-after N] (imperative): SIGKILL itself the N-th time (default 1) it
+ *   reaches POINT, after printing "DYING <point>": never, attached, started, step (inside a
+ *   step), grant (holding a written grant), pause-seen (between seeing a pause and acking it),
+ *   acked. With --die-at it also prints "WAITING" before each wait for a start, so a driver
+ *   that kills it from outside knows where it was.
  *
- * It prints "ATTACHED slot-ok" once attached, "STARTED <seq> expected=<ns>" for every start
- * (imperative; expected is the announced length, deadline - begin, 0 if none),
- * and a last line "RESULT <status name> steps=<n> starts=<n>". Exit code 0 unless attach failed
- * (2, with the library's message on stderr).
+ * It prints "ATTACHED" once attached, "STARTED <seq> kind=<k> len=<ns> free=<bytes>" for every
+ * start (imperative; len is the announced length, deadline - begin, 0 if none), and a last line
+ * "RESULT <status name> steps=<n> starts=<n>". Exit code 0 unless attach failed (2, with the
+ * library's message on stderr).
  */
 #include <bubble/bubble.h>
 
@@ -36,6 +44,24 @@ static volatile uint64_t sink;
 static int grant_seed_set = 0;
 static uint32_t grant_seed = 0;
 static uint64_t grant_written = 0; /* id of the last grant filled */
+static const char *die_at = NULL;
+static unsigned long die_after = 1, reached = 0;
+static const char *const kPoints[] = {"never", "attached", "started", "step", "grant",
+                                      "pause-seen", "acked"};
+
+/* Flushes first so the driver learns where the task died. */
+static void point(const char *name) {
+  if (!die_at || strcmp(die_at, name) != 0 || ++reached < die_after) return;
+  printf("DYING %s\n", name);
+  fflush(stdout);
+  raise(SIGKILL);
+}
+
+static void say_waiting(void) {
+  if (!die_at) return;
+  printf("WAITING\n");
+  fflush(stdout);
+}
 
 /* Fills a grant the first time it is seen. With the fake CUDA driver of the tests, "device"
  * pointers are host memory, so the same loop serves every backend. */
@@ -89,7 +115,17 @@ int main(int argc, char **argv) {
     return 64;
   }
   const char *job = argv[1], *name = argv[3], *mode = argv[4];
-  const uint32_t rank = (uint32_t)strtoul(argv[2], NULL, 10);
+  uint32_t rank = (uint32_t)strtoul(argv[2], NULL, 10);
+  if (!strcmp(job, "-")) {
+    job = getenv("BUBBLE_JOB");
+    const char *r = getenv("BUBBLE_RANK");
+    if (!job || !r) {
+      fprintf(stderr, "JOB is \"-\" but BUBBLE_JOB/BUBBLE_RANK are not set: launch through "
+                      "bubbled or name the hub\n");
+      return 64;
+    }
+    rank = (uint32_t)strtoul(r, NULL, 10);
+  }
   bb_task_options_t opts;
   bb_task_options_init(&opts);
   for (int i = 5; i < argc; ++i) {
@@ -103,10 +139,29 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--wait")) opts.on_trainer_exit = BB_ON_TRAINER_EXIT_WAIT;
     else if (!strcmp(a, "--reattach-ms")) opts.reattach_timeout_ns = strtoull(v, NULL, 10) * 1000000, ++i;
     else if (!strcmp(a, "--grant-seed")) grant_seed = (uint32_t)strtoul(v, NULL, 10), grant_seed_set = 1, ++i;
-    else {
+    else if (!strcmp(a, "--die-at")) die_at = v, ++i;
+    else if (!strcmp(a, "--die-after")) die_after = strtoul(v, NULL, 10), ++i;
+    else if (!strcmp(a, "--wake")) {
+      if (!strcmp(v, "predictive")) opts.wake_mode = BB_WAKE_PREDICTIVE;
+      else if (!strcmp(v, "sleep")) opts.wake_mode = BB_WAKE_SLEEP;
+      else if (!strcmp(v, "spin")) opts.wake_mode = BB_WAKE_SPIN;
+      else {
+        fprintf(stderr, "--wake %s: use predictive, sleep or spin\n", v);
+        return 64;
+      }
+      ++i;
+    } else {
       fprintf(stderr, "unknown option %s\n", a);
       return 64;
     }
+  }
+  int known = !die_at;
+  for (size_t p = 0; !known && p < sizeof kPoints / sizeof *kPoints; ++p)
+    known = !strcmp(die_at, kPoints[p]);
+  if (!known) {
+    fprintf(stderr, "--die-at %s: use never, attached, started, step, grant, pause-seen or "
+                    "acked\n", die_at);
+    return 64;
   }
   bb_task_h task;
   bb_status st = bb_task_attach(job, rank, name, &opts, &task);
@@ -117,6 +172,7 @@ int main(int argc, char **argv) {
   }
   printf("ATTACHED\n");
   fflush(stdout);
+  point("attached");
 
   if (!strcmp(mode, "iterative")) {
     bb_task_callbacks_t cbs;
@@ -126,6 +182,7 @@ int main(int argc, char **argv) {
     st = bb_task_run(task, &cbs);
   } else if (!strcmp(mode, "imperative")) {
     for (;;) {
+      say_waiting();
       bb_start_info_t info = {sizeof info};
       st = bb_task_wait_start(task, -1, &info);
       if (st != BB_OK) break;
@@ -135,14 +192,19 @@ int main(int argc, char **argv) {
              (unsigned long long)(info.deadline_ns ? info.deadline_ns - info.begin_ns : 0),
              (unsigned long long)info.free_mem);
       fflush(stdout);
+      point("started");
       use_grant(info.grant_id, info.grant_ptr, info.grant_bytes);
+      if (info.grant_ptr) point("grant");
       while (!bb_task_should_pause(task)) {
         const uint64_t t0 = bb_now_ns();
         busy(step_ns);
+        point("step");
         ++steps;
         bb_task_report_step(task, bb_now_ns() - t0);
       }
+      point("pause-seen");
       bb_task_ack_pause(task);
+      point("acked");
     }
   } else if (!strcmp(mode, "ignore")) {
     for (;;) busy(1000000000ull);

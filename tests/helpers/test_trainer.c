@@ -1,15 +1,25 @@
-/* A trainer process for the multi-process tests (public C ABI only).
+/* A trainer process for the multi-process and fault-injection tests (public C ABI only).
  *
  *   bb_test_trainer JOB RANK [--bubble-us N] [--gap-us N] [--max-slots N] [--free-mem N]
- *                   [--lend host|cuda-ipc|cuda-vmm:BYTES] [--await-tasks N]
+ *                   [--lend host|cuda-ipc|cuda-vmm:BYTES] [--await-tasks N] [--commands]
  *
  * Opens the hub, prints "OPEN <pid>", lends memory if asked ("LENT", or "LEND_FAILED <status>
- * <message>" and exit code 3), waits until N tasks are attached if asked, then runs bubbles of --bubble-us separated by --gap-us
- * until SIGTERM/SIGINT (clean close, prints "CLOSED") or SIGKILL (the stale-hub case).
+ * <message>" and exit code 3), waits until N tasks are attached if asked, then runs bubbles of
+ * --bubble-us separated by --gap-us until SIGTERM/SIGINT (clean close, prints "CLOSED <status>"
+ * and exits 0 if the close returned BB_OK) or SIGKILL (the stale-hub case).
+ *
+ * --commands: also reads commands on stdin between bubbles, one per line:
+ *   S  print "STATS key=value ..." (bubble calls made and failed, hub counters, grant counters,
+ *      and "pids=<p1,p2,...>" of the attached tasks)
+ *   Q  close the hub cleanly as on SIGTERM
+ * End of stdin (the driver died) also closes the hub: such a trainer never outlives its driver.
+ * Every bb_bubble_begin / bb_bubble_end that does not return BB_OK is counted, never retried.
  */
-#define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE
 #include <bubble/bubble.h>
 
+#include <errno.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,19 +28,82 @@
 #include <unistd.h>
 
 static volatile sig_atomic_t stop_flag;
+static unsigned long long bubbles_ok, begin_fail, end_fail;
+static bb_trainer_h trainer;
+static int lent, with_commands;
+
 static void on_signal(int sig) {
   (void)sig;
   stop_flag = 1;
 }
 
-static void sleep_us(uint64_t us) {
+static struct timespec span(uint64_t us) {
   struct timespec ts = {(time_t)(us / 1000000), (long)(us % 1000000) * 1000};
+  return ts;
+}
+
+static void sleep_us(uint64_t us) {
+  const struct timespec ts = span(us);
   nanosleep(&ts, NULL);
+}
+
+static void print_stats(void) {
+  bb_trainer_stats_t s;
+  memset(&s, 0, sizeof s);
+  s.size = sizeof s;
+  bb_trainer_stats(trainer, &s);
+  bb_grant_stats_t g;
+  memset(&g, 0, sizeof g);
+  g.size = sizeof g;
+  if (lent) bb_trainer_grant_stats(trainer, &g);
+  bb_task_info_t tasks[BB_MAX_SLOTS_LIMIT];
+  for (unsigned i = 0; i < BB_MAX_SLOTS_LIMIT; ++i) tasks[i].size = sizeof tasks[i];
+  size_t n = 0;
+  bb_trainer_tasks(trainer, tasks, BB_MAX_SLOTS_LIMIT, &n);
+  char pids[BB_MAX_SLOTS_LIMIT * 12] = "";
+  size_t off = 0;
+  for (size_t i = 0; i < n && i < BB_MAX_SLOTS_LIMIT; ++i)
+    off += (size_t)snprintf(pids + off, sizeof pids - off, "%s%d", i ? "," : "", tasks[i].pid);
+  printf("STATS calls=%llu begin_fail=%llu end_fail=%llu hub_bubbles=%llu attached=%u "
+         "reclaimed=%llu bad=%llu starts=%llu lent=%d capacity=%llu granted=%llu free=%llu "
+         "active=%u revoking=%u quarantined=%u made=%llu released_dead=%llu killed=%llu "
+         "pids=%s\n",
+         bubbles_ok, begin_fail, end_fail, (unsigned long long)s.bubbles,
+         s.tasks_attached, (unsigned long long)s.tasks_reclaimed, (unsigned long long)s.tasks_bad,
+         (unsigned long long)s.starts, lent, (unsigned long long)g.capacity,
+         (unsigned long long)g.granted_bytes, (unsigned long long)g.free_bytes, g.active,
+         g.revoking, g.quarantined, (unsigned long long)g.grants_made,
+         (unsigned long long)g.released_dead, (unsigned long long)g.tasks_killed,
+         n ? pids : "-");
+  fflush(stdout);
+}
+
+/* The gap between bubbles; with --commands it is spent waiting on stdin, so the commands are
+ * served on this one thread, between bubbles, never while the hub is being closed. */
+static void gap(uint64_t us) {
+  if (!with_commands) {
+    sleep_us(us);
+    return;
+  }
+  struct pollfd p = {0, POLLIN, 0};
+  const struct timespec ts = span(us);
+  if (ppoll(&p, 1, &ts, NULL) != 1) return;
+  static int line_start = 1;
+  char buf[256];
+  const ssize_t n = read(0, buf, sizeof buf);
+  if (n == 0 || (n < 0 && errno != EINTR)) stop_flag = 1;
+  for (ssize_t i = 0; i < n; ++i) {
+    if (line_start && buf[i] == 'S') print_stats();
+    else if (line_start && buf[i] == 'Q') stop_flag = 1;
+    line_start = buf[i] == '\n';
+  }
 }
 
 int main(int argc, char **argv) {
   if (argc < 3) {
-    fprintf(stderr, "usage: %s JOB RANK [--bubble-us N] [--gap-us N] [--max-slots N]\n", argv[0]);
+    fprintf(stderr, "usage: %s JOB RANK [--bubble-us N] [--gap-us N] [--max-slots N] "
+                    "[--free-mem N] [--lend BACKEND[:BYTES]] [--await-tasks N] [--commands]\n",
+            argv[0]);
     return 64;
   }
   uint64_t bubble_us = 2000, gap_us = 1000, free_mem = BB_MEM_UNKNOWN;
@@ -38,21 +111,26 @@ int main(int argc, char **argv) {
   uint32_t await_tasks = 0;
   bb_trainer_options_t opts;
   bb_trainer_options_init(&opts);
-  for (int i = 3; i + 1 < argc; i += 2) {
-    if (!strcmp(argv[i], "--bubble-us")) bubble_us = strtoull(argv[i + 1], NULL, 10);
-    else if (!strcmp(argv[i], "--gap-us")) gap_us = strtoull(argv[i + 1], NULL, 10);
-    else if (!strcmp(argv[i], "--max-slots")) opts.max_slots = (uint32_t)atoi(argv[i + 1]);
-    else if (!strcmp(argv[i], "--free-mem")) free_mem = strtoull(argv[i + 1], NULL, 10);
-    else if (!strcmp(argv[i], "--lend")) lend = argv[i + 1];
-    else if (!strcmp(argv[i], "--await-tasks")) await_tasks = (uint32_t)atoi(argv[i + 1]);
+  for (int i = 3; i < argc; ++i) {
+    const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : "0";
+    if (!strcmp(a, "--commands")) with_commands = 1;
+    else if (!strcmp(a, "--bubble-us")) bubble_us = strtoull(v, NULL, 10), ++i;
+    else if (!strcmp(a, "--gap-us")) gap_us = strtoull(v, NULL, 10), ++i;
+    else if (!strcmp(a, "--max-slots")) opts.max_slots = (uint32_t)atoi(v), ++i;
+    else if (!strcmp(a, "--free-mem")) free_mem = strtoull(v, NULL, 10), ++i;
+    else if (!strcmp(a, "--lend")) lend = v, ++i;
+    else if (!strcmp(a, "--await-tasks")) await_tasks = (uint32_t)atoi(v), ++i;
+    else {
+      fprintf(stderr, "unknown option %s\n", a);
+      return 64;
+    }
   }
   struct sigaction sa;
   memset(&sa, 0, sizeof sa);
   sa.sa_handler = on_signal;
   sigaction(SIGTERM, &sa, NULL);
   sigaction(SIGINT, &sa, NULL);
-  bb_trainer_h t;
-  bb_status st = bb_trainer_open(argv[1], (uint32_t)atoi(argv[2]), &opts, &t);
+  bb_status st = bb_trainer_open(argv[1], (uint32_t)atoi(argv[2]), &opts, &trainer);
   if (st != BB_OK) {
     fprintf(stderr, "open: %s: %s\n", bb_status_name(st), bb_last_error());
     printf("FAILED %s\n", bb_status_name(st));
@@ -69,29 +147,32 @@ int main(int argc, char **argv) {
                  : !strncmp(lend, "cuda-vmm", len) && len == 8 ? BB_GRANT_CUDA_VMM
                                                                : BB_GRANT_HOST;
     lo.bytes = colon ? strtoull(colon + 1, NULL, 10) : 1u << 20;
-    st = bb_trainer_lend(t, &lo);
+    st = bb_trainer_lend(trainer, &lo);
     if (st != BB_OK) {
       printf("LEND_FAILED %s %s\n", bb_status_name(st), bb_last_error());
       fflush(stdout);
-      bb_trainer_close(t);
+      bb_trainer_close(trainer);
       return 3;
     }
+    lent = 1;
     printf("LENT\n");
     fflush(stdout);
   }
   for (;;) {  /* the first bubble should find the tasks the test is about */
     bb_trainer_stats_t stats = {sizeof stats};
-    bb_trainer_stats(t, &stats);
+    bb_trainer_stats(trainer, &stats);
     if (stats.tasks_attached >= await_tasks || stop_flag) break;
     sleep_us(1000);
   }
   while (!stop_flag) {
-    bb_bubble_begin(t, bubble_us * 1000, free_mem, BB_BUBBLE_STEADY);
+    if (bb_bubble_begin(trainer, bubble_us * 1000, free_mem, BB_BUBBLE_STEADY) != BB_OK)
+      ++begin_fail;
     sleep_us(bubble_us);
-    bb_bubble_end(t);
-    sleep_us(gap_us);
+    if (bb_bubble_end(trainer) != BB_OK) ++end_fail;
+    else ++bubbles_ok;
+    gap(gap_us);
   }
-  bb_trainer_close(t);
-  printf("CLOSED\n");
-  return 0;
+  st = bb_trainer_close(trainer);
+  printf("CLOSED %s\n", bb_status_name(st));
+  return st == BB_OK ? 0 : 1;
 }

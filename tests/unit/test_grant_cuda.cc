@@ -12,10 +12,11 @@
 using namespace bb::core;
 using bb::test::count_open_fds;
 using bb::test::Double;
+using bb::test::pattern_ok;
 using bb::test::pattern_word;
 using bb::test::Peer;
+using bb::test::peer_request;
 using bb::test::PeerReply;
-using bb::test::PeerRequest;
 using bb::test::ScopedEnv;
 using Calls = std::vector<std::string>;
 
@@ -62,13 +63,26 @@ struct Clean {
   }
 };
 
-std::unique_ptr<GrantLender> lender(GrantBackend b, uint64_t bytes, uint64_t device_ptr = 0,
-                                    bb_status expect = BB_OK, std::string* err_out = nullptr) {
+// Sets one of the double's BUBBLE_CUDA_DOUBLE_* variables for a scope. The double reads them
+// when reset, which also restarts the call counts of "@N" failure specs, so it resets it. It
+// does not reset again on the way out: that would clear violations before Clean sees them.
+struct DoubleEnv {
+  ScopedEnv env;
+  DoubleEnv(const char* name, const char* value) : env(name, value) { dbl().reset(); }
+};
+
+LendOptions options(GrantBackend b, uint64_t bytes, uint64_t device_ptr = 0) {
   LendOptions o;
   o.backend = b;
   o.bytes = bytes;
   o.device_ptr = device_ptr;
   o.driver = &drv();
+  return o;
+}
+
+// Creates a lender over the double, requiring the status expect; err_out gets the message.
+std::unique_ptr<GrantLender> lender(const LendOptions& o, bb_status expect = BB_OK,
+                                    std::string* err_out = nullptr) {
   std::unique_ptr<GrantLender> l;
   std::string err;
   bb_status st = GrantLender::create(o, &l, &err);
@@ -77,14 +91,28 @@ std::unique_ptr<GrantLender> lender(GrantBackend b, uint64_t bytes, uint64_t dev
   return l;
 }
 
-bool pattern_ok(uint64_t addr, uint64_t size, uint32_t seed) {
-  auto* w = reinterpret_cast<const uint32_t*>(addr);
-  for (uint64_t i = 0; i < size / 4; ++i)
-    if (w[i] != pattern_word(seed, i)) return false;
-  return true;
+std::unique_ptr<GrantLender> lender(GrantBackend b, uint64_t bytes, uint64_t device_ptr = 0,
+                                    bb_status expect = BB_OK, std::string* err_out = nullptr) {
+  return lender(options(b, bytes, device_ptr), expect, err_out);
 }
 
-std::string double_env() { return std::string("BUBBLE_CUDA_DRIVER=") + BUBBLE_CUDA_DOUBLE_PATH; }
+// A peer process whose driver is the double, failing the calls of fail_spec if given.
+void start_on_double(Peer& peer, const std::string& fail_spec = "") {
+  REQUIRE(peer.start({std::string("BUBBLE_CUDA_DRIVER=") + BUBBLE_CUDA_DOUBLE_PATH,
+                      "BUBBLE_CUDA_DOUBLE_FAIL=" + fail_spec}));
+}
+
+// The peer's own driver after it mapped, wrote and unmapped: it holds nothing, and it kept no
+// descriptor.
+void check_peer_left_nothing(const PeerReply& rep) {
+  REQUIRE(rep.counts_valid == 1);
+  CHECK(rep.counts.physical == 0);
+  CHECK(rep.counts.mappings == 0);
+  CHECK(rep.counts.reservations == 0);
+  CHECK(rep.counts.ctx_retains == 0);
+  CHECK(rep.counts.violations == 0);
+  CHECK(rep.fds_after == rep.fds_before);
+}
 
 }  // namespace
 
@@ -105,8 +133,7 @@ TEST_CASE("the driver loader resolves its table through cuGetProcAddress") {
 
 TEST_CASE("the driver loader falls back to dlsym of versioned names") {
   Clean clean;
-  ScopedEnv env("BUBBLE_CUDA_DOUBLE_NO_PROC_ADDRESS", "1");
-  dbl().reset();
+  DoubleEnv env("BUBBLE_CUDA_DOUBLE_NO_PROC_ADDRESS", "1");
   std::unique_ptr<CudaDriver> d;
   std::string err;
   REQUIRE_MESSAGE(CudaDriver::open(BUBBLE_CUDA_DOUBLE_PATH, &d, &err) == BB_OK, err);
@@ -191,29 +218,23 @@ TEST_CASE("the process-wide loader honours BUBBLE_CUDA_DRIVER") {
 TEST_CASE("a driver without GPUs or without VMM is refused with the reason") {
   Clean clean;
   {
-    ScopedEnv env("BUBBLE_CUDA_DOUBLE_DEVICES", "0");
-    dbl().reset();
+    DoubleEnv env("BUBBLE_CUDA_DOUBLE_DEVICES", "0");
     std::unique_ptr<CudaDriver> d;
     std::string err;
     CHECK(CudaDriver::open(BUBBLE_CUDA_DOUBLE_PATH, &d, &err) == BB_E_UNSUPPORTED);
     CHECK(err.find("found no GPU") != std::string::npos);
   }
   {
-    ScopedEnv env("BUBBLE_CUDA_DOUBLE_NO_VMM", "1");
-    dbl().reset();
+    DoubleEnv env("BUBBLE_CUDA_DOUBLE_NO_VMM", "1");
     std::string err;
     lender(GrantBackend::kCudaVmm, 8 * kMiB, 0, BB_E_UNSUPPORTED, &err);
     CHECK(err.find("use the cuda-ipc backend") != std::string::npos);
   }
   dbl().reset();
-  LendOptions o;
-  o.backend = GrantBackend::kCudaVmm;
-  o.bytes = 8 * kMiB;
+  LendOptions o = options(GrantBackend::kCudaVmm, 8 * kMiB);
   o.device = 3;
-  o.driver = &drv();
-  std::unique_ptr<GrantLender> l;
   std::string err;
-  CHECK(GrantLender::create(o, &l, &err) == BB_E_INVALID);
+  lender(o, BB_E_INVALID, &err);
   CHECK(err.find("device 3 does not exist") != std::string::npos);
 }
 
@@ -316,8 +337,7 @@ TEST_CASE("cuda-vmm: every injected exporter failure leaves nothing allocated") 
     Clean clean;
     auto l = lender(GrantBackend::kCudaVmm, 8 * kMiB);
     {
-      ScopedEnv env("BUBBLE_CUDA_DOUBLE_FAIL", c.spec);
-      dbl().reset();
+      DoubleEnv fail("BUBBLE_CUDA_DOUBLE_FAIL", c.spec);
       std::string err;
       Grant g;
       CHECK(l->grant(kGran, 1, &g, &err) == c.status);
@@ -337,8 +357,7 @@ TEST_CASE("cuda-vmm: every injected exporter failure leaves nothing allocated") 
   }
   {
     Clean clean;
-    ScopedEnv env("BUBBLE_CUDA_DOUBLE_FAIL", "reserve");
-    dbl().reset();
+    DoubleEnv fail("BUBBLE_CUDA_DOUBLE_FAIL", "reserve");
     std::string err;
     lender(GrantBackend::kCudaVmm, 8 * kMiB, 0, BB_E_NOMEM, &err);
     CHECK(err.find("cuMemAddressReserve") != std::string::npos);
@@ -353,8 +372,7 @@ TEST_CASE("cuda-vmm: every injected importer failure leaves nothing of the impor
   for (const char* spec : specs) {
     CAPTURE(spec);
     Clean clean;
-    ScopedEnv env("BUBBLE_CUDA_DOUBLE_FAIL", spec);
-    dbl().reset();
+    DoubleEnv fail("BUBBLE_CUDA_DOUBLE_FAIL", spec);
     auto l = lender(GrantBackend::kCudaVmm, 8 * kMiB);
     std::string err;
     Grant g;
@@ -458,8 +476,7 @@ TEST_CASE("cuda-ipc: lending part of the trainer's own allocation") {
 
 TEST_CASE("cuda-ipc: a failed handle export frees the range the lender allocated") {
   Clean clean;
-  ScopedEnv env("BUBBLE_CUDA_DOUBLE_FAIL", "export");
-  dbl().reset();
+  DoubleEnv fail("BUBBLE_CUDA_DOUBLE_FAIL", "export");
   std::string err;
   lender(GrantBackend::kCudaIpc, kMiB, 0, BB_E_UNSUPPORTED, &err);
   CHECK(err.find("cuIpcGetMemHandle") != std::string::npos);
@@ -470,34 +487,25 @@ TEST_CASE("cuda-ipc: handle bytes cross to another process, which writes the gra
   Clean clean;
   auto l = lender(GrantBackend::kCudaIpc, 4 * kMiB);
   Peer peer;
-  REQUIRE(peer.start({double_env(), "BUBBLE_CUDA_DOUBLE_FAIL="}));
+  start_on_double(peer);
   std::string err;
   Grant held, brief;
   REQUIRE(l->grant(kMiB, 1, &held, &err) == BB_OK);
   REQUIRE(l->grant(3000, 1, &brief, &err) == BB_OK);
-  PeerRequest req;
-  req.op = bb::test::kPeerMapWriteHold;
-  req.seed = 1234;
-  req.grant = wire_copy(held);
-  PeerReply rep;
-  REQUIRE_MESSAGE(peer.request(req, -1, &rep, &err), err);
+  PeerReply rep = peer.exchange(peer_request(bb::test::kPeerMapWriteHold, held, 1234));
   REQUIRE_MESSAGE(rep.status == BB_OK, rep.error);
   REQUIRE(rep.counts_valid == 1);
   CHECK(rep.counts.ipc_opens == 1);
   CHECK(pattern_ok(l->address(held.id), held.size, 1234));
 
   // A second grant on the same handle: opened and closed on its own (the driver counts).
-  req.op = bb::test::kPeerMapWriteUnmap;
-  req.seed = 777;
-  req.grant = wire_copy(brief);
-  REQUIRE(peer.request(req, -1, &rep, &err));
+  rep = peer.exchange(peer_request(bb::test::kPeerMapWriteUnmap, brief, 777));
   REQUIRE_MESSAGE(rep.status == BB_OK, rep.error);
   CHECK(rep.counts.ipc_opens == 1);  // the held grant's reference remains
   CHECK(pattern_ok(l->address(brief.id), brief.size, 777));
   CHECK(pattern_ok(l->address(held.id), held.size, 1234));  // the neighbour is untouched
 
-  req.op = bb::test::kPeerRevoke;
-  REQUIRE(peer.request(req, -1, &rep, &err));
+  rep = peer.exchange(peer_request(bb::test::kPeerRevoke, brief, 777));
   CHECK_MESSAGE(rep.status == BB_OK, rep.error);
   CHECK(rep.counts.ipc_opens == 0);
   CHECK(rep.counts.ctx_retains == 0);
@@ -513,24 +521,14 @@ TEST_CASE("cuda-vmm: the descriptor crosses a socket and the other process maps 
     Clean clean;
     auto l = lender(GrantBackend::kCudaVmm, 8 * kMiB);
     Peer peer;
-    REQUIRE(peer.start({double_env(), "BUBBLE_CUDA_DOUBLE_FAIL="}));
+    start_on_double(peer);
     std::string err;
     Grant g;
     REQUIRE(l->grant(5 * kMiB, 1, &g, &err) == BB_OK);
-    PeerRequest req;
-    req.op = bb::test::kPeerMapWriteUnmap;
-    req.seed = 4242;
-    req.grant = wire_copy(g);
-    PeerReply rep;
-    REQUIRE_MESSAGE(peer.request(req, g.handle.fd, &rep, &err), err);
+    const PeerReply rep =
+        peer.exchange(peer_request(bb::test::kPeerMapWriteUnmap, g, 4242), g.handle.fd);
     CHECK_MESSAGE(rep.status == BB_OK, rep.error);
-    REQUIRE(rep.counts_valid == 1);
-    CHECK(rep.counts.physical == 0);
-    CHECK(rep.counts.mappings == 0);
-    CHECK(rep.counts.reservations == 0);
-    CHECK(rep.counts.ctx_retains == 0);
-    CHECK(rep.counts.violations == 0);
-    CHECK(rep.fds_after == rep.fds_before);
+    check_peer_left_nothing(rep);
     CHECK(pattern_ok(l->address(g.id), g.size, 4242));
     CHECK(peer.stop() == 0);
     REQUIRE(l->release(g.id, &err) == BB_OK);
@@ -544,25 +542,15 @@ TEST_CASE("cuda-vmm: an import failure in the other process leaves it nothing") 
   for (const char* spec : {"import", "map", "access", "reserve"}) {
     CAPTURE(spec);
     Peer peer;
-    REQUIRE(peer.start({double_env(), std::string("BUBBLE_CUDA_DOUBLE_FAIL=") + spec}));
+    start_on_double(peer, spec);
     std::string err;
     Grant g;
     REQUIRE(l->grant(kGran, 1, &g, &err) == BB_OK);
-    PeerRequest req;
-    req.op = bb::test::kPeerMapWriteUnmap;
-    req.seed = 1;
-    req.grant = wire_copy(g);
-    PeerReply rep;
-    REQUIRE_MESSAGE(peer.request(req, g.handle.fd, &rep, &err), err);
+    const PeerReply rep =
+        peer.exchange(peer_request(bb::test::kPeerMapWriteUnmap, g, 1), g.handle.fd);
     CHECK(rep.status != BB_OK);
     CHECK(std::string(rep.error).find("grant") != std::string::npos);
-    REQUIRE(rep.counts_valid == 1);
-    CHECK(rep.counts.physical == 0);
-    CHECK(rep.counts.mappings == 0);
-    CHECK(rep.counts.reservations == 0);
-    CHECK(rep.counts.ctx_retains == 0);
-    CHECK(rep.counts.violations == 0);
-    CHECK(rep.fds_after == rep.fds_before);
+    check_peer_left_nothing(rep);
     CHECK(peer.stop() == 0);
     REQUIRE(l->release(g.id, &err) == BB_OK);
   }
@@ -594,18 +582,6 @@ bool bytes_are(uint64_t addr, uint64_t size, unsigned char value) {
   for (uint64_t i = 0; i < size; ++i)
     if (b[i] != value) return false;
   return true;
-}
-
-std::unique_ptr<GrantLender> lender_clearing(GrantBackend b, uint64_t bytes, bool clear) {
-  LendOptions o;
-  o.backend = b;
-  o.bytes = bytes;
-  o.clear = clear;
-  o.driver = &drv();
-  std::unique_ptr<GrantLender> l;
-  std::string err;
-  REQUIRE_MESSAGE(GrantLender::create(o, &l, &err) == BB_OK, err);
-  return l;
 }
 
 // The one memset of the last grant: on the exporter's own non-blocking stream (never the
@@ -649,13 +625,8 @@ TEST_CASE("cuda-ipc: each grant's window is zeroed on a private stream before it
 
   // Another process, the new holder, finds its grant all zero.
   Peer peer;
-  REQUIRE(peer.start({double_env(), "BUBBLE_CUDA_DOUBLE_FAIL="}));
-  PeerRequest req;
-  req.op = bb::test::kPeerMapWriteUnmap;
-  req.seed = 31;
-  req.grant = wire_copy(g);
-  PeerReply rep;
-  REQUIRE_MESSAGE(peer.request(req, -1, &rep, &err), err);
+  start_on_double(peer);
+  const PeerReply rep = peer.exchange(peer_request(bb::test::kPeerMapWriteUnmap, g, 31));
   REQUIRE_MESSAGE(rep.status == BB_OK, rep.error);
   CHECK(rep.was_zero == 1);
   CHECK(pattern_ok(base, g.size, 31));
@@ -673,7 +644,7 @@ TEST_CASE("cuda-vmm: each grant is zeroed before its descriptor exists; the next
     Clean clean;
     auto l = lender(GrantBackend::kCudaVmm, 8 * kMiB);
     Peer peer;
-    REQUIRE(peer.start({double_env(), "BUBBLE_CUDA_DOUBLE_FAIL="}));
+    start_on_double(peer);
     std::string err;
     for (uint32_t holder = 1; holder <= 2; ++holder) {
       CAPTURE(holder);
@@ -691,12 +662,8 @@ TEST_CASE("cuda-vmm: each grant is zeroed before its descriptor exists; the next
                          : Calls{"cuMemCreate", "cuMemMap", "cuMemSetAccess", "cuMemsetD8Async",
                                  "cuStreamSynchronize", "cuMemExportToShareableHandle"}));
       CHECK(logged_arg("cuStreamCreate", "flags") == (holder == 1 ? "1" : ""));  // non-blocking
-      PeerRequest req;
-      req.op = bb::test::kPeerMapWriteUnmap;
-      req.seed = 100 + holder;
-      req.grant = wire_copy(g);
-      PeerReply rep;
-      REQUIRE_MESSAGE(peer.request(req, g.handle.fd, &rep, &err), err);
+      const PeerReply rep =
+          peer.exchange(peer_request(bb::test::kPeerMapWriteUnmap, g, 100 + holder), g.handle.fd);
       REQUIRE_MESSAGE(rep.status == BB_OK, rep.error);
       CHECK(rep.was_zero == 1);
       CHECK(pattern_ok(l->address(g.id), g.size, 100 + holder));
@@ -713,7 +680,9 @@ TEST_CASE("clear off: grants skip the memset and show what was there") {
     Clean clean;
     std::string err;
     {
-      auto l = lender_clearing(GrantBackend::kCudaIpc, 2 * kMiB, false);
+      LendOptions o = options(GrantBackend::kCudaIpc, 2 * kMiB);
+      o.clear = false;
+      auto l = lender(o);
       Grant a;
       REQUIRE(l->grant(kMiB, 1, &a, &err) == BB_OK);
       const uint64_t at = l->address(a.id);
@@ -727,7 +696,9 @@ TEST_CASE("clear off: grants skip the memset and show what was there") {
       REQUIRE(l->release(b.id, &err) == BB_OK);
     }
     {
-      auto l = lender_clearing(GrantBackend::kCudaVmm, 4 * kMiB, false);
+      LendOptions o = options(GrantBackend::kCudaVmm, 4 * kMiB);
+      o.clear = false;
+      auto l = lender(o);
       Grant a;
       REQUIRE(l->grant(kGran, 1, &a, &err) == BB_OK);
       CHECK(bytes_are(l->address(a.id), kGran, 0xa5));  // cuMemCreate does not zero
@@ -760,8 +731,7 @@ TEST_CASE("a grant whose clearing fails is not made, names the call and leaves n
       std::string err;
       Grant g;
       {
-        ScopedEnv env("BUBBLE_CUDA_DOUBLE_FAIL", c.spec);
-        dbl().reset();
+        DoubleEnv fail("BUBBLE_CUDA_DOUBLE_FAIL", c.spec);
         CHECK(l->grant(kGran, 1, &g, &err) != BB_OK);
         CHECK_MESSAGE(err.find(c.says) != std::string::npos, err);
         const bbdouble_counts n = dbl().counts();

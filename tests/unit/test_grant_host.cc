@@ -11,8 +11,9 @@
 
 using namespace bb::core;
 using bb::test::count_open_fds;
-using bb::test::pattern_word;
+using bb::test::pattern_ok;
 using bb::test::Peer;
+using bb::test::peer_request;
 using bb::test::PeerReply;
 using bb::test::PeerRequest;
 
@@ -27,13 +28,6 @@ std::unique_ptr<GrantLender> host_lender(uint64_t bytes, uint32_t max_grants = 1
   std::string err;
   REQUIRE_MESSAGE(GrantLender::create(o, &l, &err) == BB_OK, err);
   return l;
-}
-
-bool pattern_ok(uint64_t addr, uint64_t size, uint32_t seed) {
-  auto* w = reinterpret_cast<const uint32_t*>(addr);
-  for (uint64_t i = 0; i < size / 4; ++i)
-    if (w[i] != pattern_word(seed, i)) return false;
-  return true;
 }
 
 bool fd_open(int fd) { return fcntl(fd, F_GETFD) >= 0; }
@@ -157,12 +151,8 @@ TEST_CASE("a host grant crosses to another process, which writes it and cannot s
     for (uint32_t round = 0; round < 3; ++round) {
       Grant g;
       REQUIRE(l->grant((round + 1) * 3 * kPage + 123, 7, &g, &err) == BB_OK);
-      PeerRequest req;
-      req.op = bb::test::kPeerMapWriteUnmap;
-      req.seed = 0xabc0 + round;
-      req.grant = wire_copy(g);
-      PeerReply rep;
-      REQUIRE_MESSAGE(peer.request(req, g.handle.fd, &rep, &err), err);
+      const PeerRequest req = peer_request(bb::test::kPeerMapWriteUnmap, g, 0xabc0 + round);
+      const PeerReply rep = peer.exchange(req, g.handle.fd);
       CHECK_MESSAGE(rep.status == BB_OK, rep.error);
       CHECK(rep.grant_id == g.id);
       CHECK(rep.truncate_errno == EPERM);
@@ -183,12 +173,8 @@ TEST_CASE("revocation: the range stays out of use until the holder acks") {
   std::string err;
   Grant g;
   REQUIRE(l->grant(4 * kPage, 1, &g, &err) == BB_OK);
-  PeerRequest req;
-  req.op = bb::test::kPeerMapWriteHold;
-  req.seed = 77;
-  req.grant = wire_copy(g);
-  PeerReply rep;
-  REQUIRE(peer.request(req, g.handle.fd, &rep, &err));
+  PeerRequest req = peer_request(bb::test::kPeerMapWriteHold, g, 77);
+  PeerReply rep = peer.exchange(req, g.handle.fd);
   REQUIRE_MESSAGE(rep.status == BB_OK, rep.error);
 
   const uint64_t now = bb::test::now_ns();
@@ -208,7 +194,7 @@ TEST_CASE("revocation: the range stays out of use until the holder acks") {
   CHECK(l->stats().revoking_bytes == 4 * kPage);
 
   req.op = bb::test::kPeerRevoke;
-  REQUIRE(peer.request(req, -1, &rep, &err));
+  rep = peer.exchange(req);
   CHECK_MESSAGE(rep.status == BB_OK, rep.error);
   CHECK(pattern_ok(l->address(g.id), g.size, 77));
   REQUIRE(l->release(g.id, &err) == BB_OK);
@@ -226,12 +212,8 @@ TEST_CASE("revocation: a holder that ignores REVOKE is overdue, killed, then rel
   std::string err;
   Grant g;
   REQUIRE(l->grant(4 * kPage, 9, &g, &err) == BB_OK);
-  PeerRequest req;
-  req.op = bb::test::kPeerMapWriteHold;
-  req.seed = 5;
-  req.grant = wire_copy(g);
-  PeerReply rep;
-  REQUIRE(peer.request(req, g.handle.fd, &rep, &err));
+  PeerRequest req = peer_request(bb::test::kPeerMapWriteHold, g, 5);
+  const PeerReply rep = peer.exchange(req, g.handle.fd);
   REQUIRE_MESSAGE(rep.status == BB_OK, rep.error);
 
   const uint64_t deadline = bb::test::now_ns();

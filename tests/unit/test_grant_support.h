@@ -57,6 +57,23 @@ inline uint64_t now_ns() {
 
 inline bool cloexec(int fd) { return (fcntl(fd, F_GETFD) & FD_CLOEXEC) != 0; }
 
+// True if [addr, addr + size) holds the pattern a peer writes with seed.
+inline bool pattern_ok(uint64_t addr, uint64_t size, uint32_t seed) {
+  auto* w = reinterpret_cast<const uint32_t*>(addr);
+  for (uint64_t i = 0; i < size / 4; ++i)
+    if (w[i] != pattern_word(seed, i)) return false;
+  return true;
+}
+
+// A request of op about grant g (its wire record); a writing op fills it with seed's pattern.
+inline PeerRequest peer_request(PeerOp op, const core::Grant& g, uint32_t seed = 0) {
+  PeerRequest req;
+  req.op = op;
+  req.seed = seed;
+  req.grant = core::wire_copy(g);
+  return req;
+}
+
 // The fake driver's control functions, reached through the loader's handle.
 struct Double {
   void (*reset_)(void) = nullptr;
@@ -197,6 +214,14 @@ class Peer {
   }
   bool request(const PeerRequest& req, int fd, PeerReply* rep, std::string* error) {
     return send(req, fd, error) && receive(rep, error);
+  }
+  // request() that requires the exchange itself to work (the reply may still say the peer's
+  // work failed).
+  PeerReply exchange(const PeerRequest& req, int fd = -1) {
+    PeerReply rep;
+    std::string err;
+    REQUIRE_MESSAGE(request(req, fd, &rep, &err), err);
+    return rep;
   }
   // True if a reply is waiting within timeout_ms.
   bool readable(int timeout_ms) {

@@ -1,14 +1,67 @@
-"""Child processes whose output lines a test can wait for, killed however the test ends."""
+"""Process helpers shared by the Python test suites (tests/daemon, tests/security, tests/fault,
+tests/bindings): waiting on another process's progress, finding and killing every process a
+test started, and child processes whose output lines a test can wait for.
+
+CTest puts this directory on PYTHONPATH for each suite that imports it."""
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import tempfile
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
+
+
+def poll_until(pred: Callable[[], Any], timeout: float, interval: float) -> Any:
+    """Calls pred every interval seconds until it returns a truthy value or timeout passes;
+    returns its last value (falsy on timeout)."""
+    end = time.monotonic() + timeout
+    while True:
+        last = pred()
+        if last or time.monotonic() >= end:
+            return last
+        time.sleep(interval)
+
+
+def wait_until(what: str, pred: Callable[[], Any], timeout: float = 30.0,
+               interval: float = 0.05) -> Any:
+    """poll_until that fails naming `what` (an AssertionError, so pytest reports it as a failed
+    check). A driver polling a cheap local condition passes a shorter interval."""
+    last = poll_until(pred, timeout, interval)
+    if not last:
+        raise AssertionError(f"timed out after {timeout:g} s waiting for {what} (last: {last!r})")
+    return last
+
+
+def pids_with_env(marker: str) -> list[int]:
+    """Processes (other than this one) whose environment contains marker, e.g. a test's
+    private BUBBLE_RUNTIME_DIR=...: what a test started, however deep below it."""
+    needle = marker.encode()
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if needle in f.read():
+                    out.append(int(d))
+        except OSError:
+            pass
+    return out
+
+
+def kill_marked(marker: str, pause: float = 0.05) -> None:
+    """SIGKILLs every process whose environment contains marker. Three passes: a process may
+    fork between the listing and the kill of its parent."""
+    for _ in range(3):
+        for pid in pids_with_env(marker):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(pause)
 
 
 class Child:
