@@ -308,6 +308,7 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
   if (epoch_ != 0) ack_pause();  // waiting again means the previous run is over
   const uint64_t start = now_ns();
   const uint64_t until = timeout_ns < 0 ? UINT64_MAX : start + uint64_t(timeout_ns);
+  uint64_t seen_ns = 0;  // when the last wait saw the doorbell move
   for (;;) {
     const uint32_t bell = ctl_->doorbell.load(std::memory_order_acquire);
     // After loading the bell: a grant change made after this look also moves the bell.
@@ -317,8 +318,12 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
     const uint32_t given = ctl_->given_epoch.load(std::memory_order_acquire);
     if (given != 0 && given != page_->acked_epoch.load(std::memory_order_relaxed)) {
       if (ctl_->run_epoch.load(std::memory_order_acquire) != given) {
-        // The bubble ended before we woke: ack at once so the trainer may start us again.
+        // The bubble ended before we saw its start (a wake-up that came late). It is still a
+        // start, and its latency the longest kind: report it (ack pushes it first), then ack at
+        // once so the trainer may start us again.
+        stamp_started(given, seen_ns);
         ack(given, false);
+        seen_ns = 0;
         continue;
       }
       shm::Command cmd{};
@@ -354,11 +359,9 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
       }
       page_->started_epoch.store(cmd.epoch, std::memory_order_relaxed);
       page_->state.store(uint32_t(shm::TaskRunState::kRunning), std::memory_order_relaxed);
-      // Stamped now, pushed with the task's next report (or ack): writing the report ring
-      // here would stand between the start and the task's own work.
-      const uint64_t now = now_ns();
-      started_report_ = shm::Report{uint16_t(shm::ReportType::kStarted), 1, cmd.epoch, now,
-                                    now > cmd.begin_ns ? now - cmd.begin_ns : 0, 0};
+      // Pushed with the task's next report (or ack): writing the report ring here would stand
+      // between the start and the task's own work.
+      stamp_started(cmd.epoch, seen_ns);
       if (out) {
         out->kind = cmd.kind;
         out->bubble_seq = cmd.bubble_seq;
@@ -383,9 +386,20 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
     if (now >= until)
       return fail(BB_E_TIMEOUT, "no bubble started this task within the timeout");
 
-    const bb_status st = wait_for_doorbell(bell, now, until);
+    const bb_status st = wait_for_doorbell(bell, now, until, &seen_ns);
     if (st != BB_OK) return st;
   }
+}
+
+void Task::stamp_started(uint32_t epoch, uint64_t seen_ns) {
+  // When the wait saw the start: a spinning wait knows it from the clock read of the poll that
+  // saw it, a wake-up from the read it makes anyway. A poll's read older than the bubble's
+  // begin means the task lost its CPU between that read and the load that saw the start, so
+  // the time is read again.
+  const uint64_t begin = ctl_->start_begin_ns.load(std::memory_order_relaxed);
+  const uint64_t now = seen_ns >= begin && seen_ns != 0 ? seen_ns : now_ns();
+  started_report_ = shm::Report{uint16_t(shm::ReportType::kStarted), 1, epoch, now,
+                                now > begin ? now - begin : 0, 0};
 }
 
 bb_status Task::drain_commands() {
@@ -403,11 +417,14 @@ bb_status Task::drain_commands() {
   }
 }
 
-bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until) {
+bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
+                                  uint64_t* seen_ns) {
+  *seen_ns = 0;
   const std::atomic<uint32_t>* word = &ctl_->doorbell;
   if (word->load(std::memory_order_relaxed) != bell) return BB_OK;
   if (opts_.wake_mode == BB_WAKE_SPIN) {
-    if (shm::spin_until_changed(word, bell, std::min<uint64_t>(until - now, kLivenessSliceNs)))
+    if (shm::spin_until_changed(word, bell, std::min<uint64_t>(until - now, kLivenessSliceNs),
+                                seen_ns))
       return BB_OK;
     return trainer_gone() ? reattach() : BB_OK;
   }
@@ -421,7 +438,7 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until) {
     const uint64_t lead = opts_.wake_lead_ns;
     const uint64_t late = late_window_ns_ ? late_window_ns_ : lead;
     if (next != 0 && now + lead >= next && now <= next + late) {
-      if (shm::spin_until_changed(word, bell, std::min(next + late - now, until - now)))
+      if (shm::spin_until_changed(word, bell, std::min(next + late - now, until - now), seen_ns))
         return BB_OK;
       // The bubble is later than predicted: the futex wake will bring it, and the window
       // after the prediction widens (see wait_start) so the next late one is still caught.
@@ -441,7 +458,7 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until) {
       adapt = false;
     }
   }
-  if (spin && shm::spin_until_changed(word, bell, spin)) return BB_OK;
+  if (spin && shm::spin_until_changed(word, bell, spin, seen_ns)) return BB_OK;
   page_->sleeping.store(1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the trainer's fence
   const uint64_t slept_at = now_ns();
@@ -452,10 +469,12 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until) {
     w = shm::futex_wait(word, bell, int64_t(std::min<uint64_t>(left, kLivenessSliceNs)));
   }
   page_->sleeping.store(0, std::memory_order_relaxed);
+  const uint64_t woke = now_ns();
+  if (w == shm::WaitResult::kChanged) *seen_ns = woke;
   if (adapt) {
     // Adapt the spin: a wake soon after falling asleep says spinning a little longer would
     // have caught it; a long sleep says spinning was wasted.
-    const uint64_t slept = now_ns() - slept_at;
+    const uint64_t slept = woke - slept_at;
     if (w == shm::WaitResult::kChanged && slept < 2 * opts_.spin_ns)
       spin_ns_ = std::min<uint64_t>(opts_.spin_ns, std::max<uint64_t>(spin_ns_ * 2, kMinSpinNs));
     else

@@ -48,8 +48,13 @@ class Task {
   // task makes anyway (report_step, time_left; every step of bb_task_run) look at the connection
   // every 100 ms and make should_pause() true once it is gone.
   void check_trainer_while_running() const;
-  bb_status wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until);
+  // Waits for the doorbell to move from `bell`; *seen_ns is when it saw it move, from a clock
+  // read the wait made anyway (0 when it did not see it, or has no such read).
+  bb_status wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until, uint64_t* seen_ns);
   bb_status drain_commands();  // the command ring's records, between runs
+  // Keeps the STARTED report of run `epoch` (its block is the slot's current start) for the
+  // next report; seen_ns as wait_for_doorbell gave it.
+  void stamp_started(uint32_t epoch, uint64_t seen_ns);
   void push_report(shm::ReportType type, uint64_t a, uint64_t b, uint64_t ts = 0);
   bool flush_steps(uint32_t keep_free);
   void ack(uint32_t epoch, bool yielded);

@@ -42,16 +42,20 @@ int futex_wake(std::atomic<uint32_t>* word, int count) {
   return rc < 0 ? 0 : int(rc);
 }
 
-bool spin_until_changed(const std::atomic<uint32_t>* word, uint32_t expected, uint64_t spin_ns) {
+bool spin_until_changed(const std::atomic<uint32_t>* word, uint32_t expected, uint64_t spin_ns,
+                        uint64_t* seen_ns) {
+  if (seen_ns) *seen_ns = 0;
   if (word->load(std::memory_order_acquire) != expected) return true;
   if (spin_ns == 0) return false;
-  const uint64_t until = now_ns() + spin_ns;
+  uint64_t now = now_ns();
+  const uint64_t until = now + spin_ns;
   for (;;) {
-    for (int i = 0; i < 64; ++i) {
-      if (word->load(std::memory_order_acquire) != expected) return true;
-      cpu_relax();
+    if (word->load(std::memory_order_acquire) != expected) {
+      if (seen_ns) *seen_ns = now;
+      return true;
     }
-    if (now_ns() >= until) return false;
+    if (now >= until) return false;
+    now = now_ns();
   }
 }
 

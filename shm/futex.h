@@ -16,9 +16,13 @@ WaitResult futex_wait(const std::atomic<uint32_t>* word, uint32_t expected, int6
 // Wakes up to `count` sleepers on word. Returns how many were woken (0 if none slept).
 int futex_wake(std::atomic<uint32_t>* word, int count);
 
-// Spins up to spin_ns for *word != expected (a pause instruction between loads). Returns true
-// when it changed.
-bool spin_until_changed(const std::atomic<uint32_t>* word, uint32_t expected, uint64_t spin_ns);
+// Spins up to spin_ns for *word != expected. Returns true when it changed, and then sets
+// *seen_ns (if given) to when it saw the change: the CLOCK_MONOTONIC read made just before the
+// load that saw it, so at most one poll early, or 0 if the word differed at the first look.
+// The clock read between loads is the loop's delay, as a pause instruction would be, so a
+// spinning waiter knows when its wait ended without reading the clock again once it has.
+bool spin_until_changed(const std::atomic<uint32_t>* word, uint32_t expected, uint64_t spin_ns,
+                        uint64_t* seen_ns = nullptr);
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)

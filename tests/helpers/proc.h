@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <set>
@@ -151,5 +152,19 @@ bool eventually(F&& cond, int timeout_ms = 10000) {
 }
 
 inline std::set<std::string> dev_shm() { return list_dir("/dev/shm"); }
+
+// A process's state letter from /proc/<pid>/stat ('R', 'S', 'T' when stopped, ...), 0 if gone.
+inline char proc_state(pid_t pid) {
+  char path[64], buf[512];
+  std::snprintf(path, sizeof path, "/proc/%d/stat", int(pid));
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return 0;
+  const ssize_t n = read(fd, buf, sizeof buf - 1);
+  close(fd);
+  if (n <= 0) return 0;
+  buf[n] = 0;
+  const char* paren = std::strrchr(buf, ')');  // the name may hold spaces and parentheses
+  return paren && paren[1] == ' ' ? paren[2] : 0;
+}
 
 }  // namespace bbtest

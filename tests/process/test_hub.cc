@@ -377,6 +377,58 @@ TEST_CASE("observer_counts_events_overwritten_before_it_read_them") {
   bb_trainer_close(h);
 }
 
+TEST_CASE("a_start_seen_after_its_bubble_ended_is_reported_with_its_latency") {
+  // A task that wakes only after its bubble ended (a late wake-up on a loaded machine; here the
+  // task is stopped meanwhile) does not run, but its start is reported: a STARTED whose latency
+  // covers at least the whole bubble, then its PAUSED.
+  RuntimeDir dir;
+  bb_trainer_h h = nullptr;
+  REQUIRE(bb_trainer_open("late", 0, nullptr, &h) == BB_OK);
+  std::unique_ptr<bb::core::HubObserver> obs;
+  std::string err;
+  REQUIRE(bb::core::HubObserver::open("", "late", 0, &obs, &err) == BB_OK);
+  Child task(task_args("late", "sleepy", "iterative", {"--step-us", "100", "--wake", "sleep"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  using ET = bb::core::EventType;
+  bb::core::EventCursor cursor;
+  std::vector<bb::core::Event> starts, pauses;
+  auto read = [&] {
+    bb::core::Event buf[64];
+    for (size_t n; (n = obs->read_events(&cursor, buf, 64, nullptr)) > 0;)
+      for (size_t k = 0; k < n; ++k) {
+        if (buf[k].type == ET::kTaskStart) starts.push_back(buf[k]);
+        if (buf[k].type == ET::kTaskPause) pauses.push_back(buf[k]);
+      }
+  };
+  REQUIRE(eventually([&] {
+    bb_trainer_stats_t s{sizeof s};
+    return bb_trainer_stats(h, &s) == BB_OK && s.tasks_attached == 1;
+  }));
+  // One ordinary run, so the task is back waiting once its ack is in.
+  REQUIRE(bb_bubble_begin(h, 10'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+  REQUIRE(eventually([&] { return read(), starts.size() == 1; }));
+  REQUIRE(bb_bubble_end(h) == BB_OK);
+  REQUIRE(eventually([&] { return read(), pauses.size() == 1; }));
+
+  task.signal(SIGSTOP);
+  REQUIRE(eventually([&] { return bbtest::proc_state(task.pid()) == 'T'; }));
+  const uint64_t begun = bb_now_ns();
+  REQUIRE(bb_bubble_begin(h, 10'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+  REQUIRE(bb_bubble_end(h) == BB_OK);
+  const uint64_t ended = bb_now_ns();
+  bb_trainer_stats_t s{sizeof s};
+  REQUIRE(bb_trainer_stats(h, &s) == BB_OK);
+  CHECK(s.starts == 2);  // the stopped task was ready, so it was started
+  task.signal(SIGCONT);
+
+  REQUIRE(eventually([&] { return read(), starts.size() == 2 && pauses.size() == 2; }));
+  CHECK(starts[1].a == pauses[1].a);      // both name the second run's epoch
+  CHECK(starts[1].ts_ns >= ended);        // seen only once the task ran again
+  CHECK(starts[1].b >= ended - begun);    // its latency covers the whole bubble
+  obs.reset();
+  bb_trainer_close(h);
+}
+
 TEST_CASE("a_task_stepping_faster_than_the_hub_drains_loses_no_start_or_pause_report") {
   // Steps of well under a microsecond fill the task's report ring many times over between two
   // drains; the steps are folded together, the starts and pauses all arrive.
