@@ -41,9 +41,12 @@ class Channel {
 // Kernel mechanisms (always built).
 std::unique_ptr<Channel> make_futex_channel(uint32_t* shared_word);
 std::unique_ptr<Channel> make_spin_channel(uint32_t* shared_word);
-// The same spin, but the waiter reads bb_now_ns() once more before it stamps: what a start costs
-// that also times itself (libbubble's task stamps each start for the runtime's start latency).
-std::unique_ptr<Channel> make_spin_stamped_channel(uint32_t* shared_word);
+// The same spin carrying a time: the waker reads bb_now_ns() and stores it on the line the
+// waiter polls before it bumps the word, and the waiter reads it once it sees the bump. A
+// libbubble start has this shape (its block carries the bubble's begin time and deadline, read
+// from the clock inside bb_bubble_begin), so this is the floor of that design. `shared_line` is
+// one cache line (64 bytes, aligned).
+std::unique_ptr<Channel> make_spin_timed_channel(void* shared_line);
 std::unique_ptr<Channel> make_eventfd_channel();
 std::unique_ptr<Channel> make_pipe_channel();
 std::unique_ptr<Channel> make_unix_socket_channel();

@@ -42,46 +42,51 @@ class FutexChannel : public Channel {
       while ((now = w_->load(std::memory_order_acquire)) == seen)
         syscall(SYS_futex, reinterpret_cast<uint32_t*>(w_), FUTEX_WAIT, seen, nullptr, nullptr, 0);
       seen = now;
-      if (stamped_) stamp_ = bb_now_ns();
       if (!on_wake()) return 0;
     }
   }
 
  private:
   std::atomic<uint32_t>* w_;
-  bool stamped_;
-  volatile uint64_t stamp_ = 0;
 };
 
 class SpinChannel : public Channel {
  public:
-  SpinChannel(uint32_t* w, bool stamped) : w_(as_atomic(w)), stamped_(stamped) {}
+  // `line` is one cache line: the word first, then (timed) the waker's clock read.
+  SpinChannel(void* line, bool timed) : line_(static_cast<Line*>(line)), timed_(timed) {}
   const char* name() const override {
-    return stamped_ ? "shared-memory spin + one clock read" : "shared-memory spin (floor)";
+    return timed_ ? "shared-memory spin carrying the waker's clock read"
+                  : "shared-memory spin (floor)";
   }
   bool supports(bool busy) const override { return busy; }
   bool setup_waker(std::string*) override { return true; }
   bool signal() override {
-    w_->fetch_add(1, std::memory_order_release);
+    if (timed_) line_->sent_ns.store(bb_now_ns(), std::memory_order_relaxed);
+    line_->word.fetch_add(1, std::memory_order_release);
     return true;
   }
   int run_waiter(bool, const std::function<void()>& ready,
                  const std::function<bool()>& on_wake) override {
-    uint32_t seen = w_->load();
+    uint32_t seen = line_->word.load();
     ready();
     for (;;) {
       uint32_t now;
-      while ((now = w_->load(std::memory_order_acquire)) == seen) __builtin_ia32_pause();
+      while ((now = line_->word.load(std::memory_order_acquire)) == seen) __builtin_ia32_pause();
       seen = now;
-      if (stamped_) stamp_ = bb_now_ns();
+      if (timed_) sent_ = line_->sent_ns.load(std::memory_order_relaxed);
       if (!on_wake()) return 0;
     }
   }
 
  private:
-  std::atomic<uint32_t>* w_;
-  bool stamped_;
-  volatile uint64_t stamp_ = 0;
+  struct Line {
+    std::atomic<uint32_t> word;
+    std::atomic<uint64_t> sent_ns;
+  };
+  static_assert(sizeof(Line) <= 64);
+  Line* line_;
+  bool timed_;
+  volatile uint64_t sent_ = 0;  // read as a task reads its start's begin time
 };
 
 // A descriptor pair: the waker writes 8 bytes to wfd_, the waiter reads them from rfd_.
@@ -215,8 +220,8 @@ std::unique_ptr<Channel> make_futex_channel(uint32_t* w) { return std::make_uniq
 std::unique_ptr<Channel> make_spin_channel(uint32_t* w) {
   return std::make_unique<SpinChannel>(w, false);
 }
-std::unique_ptr<Channel> make_spin_stamped_channel(uint32_t* w) {
-  return std::make_unique<SpinChannel>(w, true);
+std::unique_ptr<Channel> make_spin_timed_channel(void* line) {
+  return std::make_unique<SpinChannel>(line, true);
 }
 std::unique_ptr<Channel> make_eventfd_channel() { return std::make_unique<EventfdChannel>(); }
 std::unique_ptr<Channel> make_pipe_channel() { return std::make_unique<PipeChannel>(); }

@@ -5,6 +5,7 @@
 #   bench/run_all.sh            full run (a few minutes)
 #   bench/run_all.sh --quick    short run, same tables with fewer samples
 #
+# Installs the Debian packages the peers need first (.ci/setup.sh --packages).
 # BUILD_DIR overrides the build directory (default: build-bench at the top of the tree).
 set -euo pipefail
 
@@ -17,6 +18,7 @@ case "${1:-}" in
   *) echo "usage: $0 [--quick]" >&2; exit 2 ;;
 esac
 
+"$root/.ci/setup.sh" --packages  # the peers (iceoryx, gRPC) are Debian packages too
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release \
   -DBUBBLE_BUILD_TESTS=OFF -DBUBBLE_BUILD_EXAMPLES=OFF \
   -DBUBBLE_BUILD_DAEMON=OFF -DBUBBLE_BUILD_BINDINGS=OFF >/dev/null

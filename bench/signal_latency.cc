@@ -1,8 +1,9 @@
 // signal_latency: how fast a side task hears from its trainer, beside the other ways two
 // processes can wake each other, all measured in one run.
 //
-//   (a+d) one-way wake latency: bubble begin -> the task's wait_start returns (the task stamps
-//         bb_now_ns() and subtracts the begin time the trainer stamped), with the task asleep
+//   (a+d) one-way wake latency: bubble begin -> the task's wait_start returns (the trainer
+//         stamps bb_now_ns() just before bb_bubble_begin, the task when wait_start returns),
+//         with the task asleep
 //         (BB_WAKE_SLEEP) or spinning (BB_WAKE_SPIN); beside it, in the matching wait mode, a
 //         bare futex wake (the floor of sleeping), a shared-memory spin (the floor of spinning),
 //         eventfd, a pipe, a Unix socket, a POSIX message queue, iceoryx and a gRPC unary call
@@ -52,7 +53,7 @@ constexpr uint64_t kSecond = 1'000'000'000ull;
 struct Words {
   alignas(64) uint32_t futex_word;
   alignas(64) uint32_t spin_word;
-  alignas(64) uint32_t spin_stamped_word;
+  alignas(64) unsigned char spin_timed_line[64];
 };
 
 // ------------------------------------------------------------------------------------------
@@ -127,6 +128,7 @@ struct BubbleCtl {
   alignas(64) std::atomic<uint64_t> started;
   alignas(64) std::atomic<uint64_t> acked;
   alignas(64) std::atomic<uint64_t> end_ns;  // (b): stamped just before bb_bubble_end
+  alignas(64) std::atomic<uint64_t> begin_ns;  // (a), (c): stamped just before bb_bubble_begin
   // Results.
   std::atomic<uint64_t> wait_cpu_ns, proc_cpu_ns, wall_ns, starts, wakes, unit_ns_x1000;
   std::atomic<uint64_t> rt_pause_p50, rt_pause_p99;
@@ -188,7 +190,7 @@ bool run_bubble_start(bb_wake_mode mode, size_t n, const RuntimeDir& dir,
       size_t k = 0;
       while (bb_task_wait_start(t, -1, &info) == BB_OK) {
         const uint64_t t1 = bb_now_ns();
-        if (k < total) lat.data()[k] = t1 - info.begin_ns;
+        if (k < total) lat.data()[k] = t1 - c->begin_ns.load(std::memory_order_relaxed);
         c->started.store(++k);
         while (!bb_task_should_pause(t)) __builtin_ia32_pause();
         bb_task_ack_pause(t);
@@ -203,6 +205,9 @@ bool run_bubble_start(bb_wake_mode mode, size_t n, const RuntimeDir& dir,
       for (size_t k = 0; k < total; ++k) {
         if (!wait_for([&] { return c->acked.load() == k; }, 5 * kSecond)) return 3;
         spin_until(bb_now_ns() + gap);
+        // Stamped before the call, as every peer stamps before its send: the latency counts
+        // all of bb_bubble_begin, not only what follows the begin time it records.
+        c->begin_ns.store(bb_now_ns(), std::memory_order_relaxed);
         bb_bubble_begin(t, 1'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY);
         if (!wait_for([&] { return c->started.load() == k + 1; }, 5 * kSecond)) return 4;
         bb_bubble_end(t);
@@ -381,7 +386,8 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
         }
         if (k >= kWarmup) {
           wait_cpu += thread_cpu_ns() - cpu0;
-          if (k - kWarmup < cap) lat.data()[k - kWarmup] = t1 - info.begin_ns;
+          if (k - kWarmup < cap)
+            lat.data()[k - kWarmup] = t1 - c->begin_ns.load(std::memory_order_relaxed);
           // The run ends with the last start: the wait after it ends with the trainer leaving.
           wall_end = t1;
           cpu_end = process_cpu_ns();
@@ -415,6 +421,7 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
         }
         const uint64_t at = t0 + k * period_ns;
         sleep_until(at);
+        c->begin_ns.store(bb_now_ns(), std::memory_order_relaxed);  // as in (a)
         bb_bubble_begin(t, len_ns, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY);
         sleep_until(at + len_ns);
         bb_bubble_end(t);
@@ -590,12 +597,12 @@ int main(int argc, char** argv) {
   if (peers) roudi = std::make_unique<Roudi>(dir.path());
 
   double libbubble_p50[2] = {0, 0}, floor_p50[2] = {0, 0}, iceoryx_p50[2] = {0, 0};
-  double stamped_p50 = 0;  // the spin floor plus one clock read
+  double timed_p50 = 0;  // the spin carrying the waker's clock read: the floor of a start
   for (int busy = 0; busy <= 1; ++busy) {
     std::vector<std::unique_ptr<Channel>> chans;
     if (peers) {
       if (busy) chans.push_back(make_spin_channel(&words->spin_word));
-      if (busy) chans.push_back(make_spin_stamped_channel(&words->spin_stamped_word));
+      if (busy) chans.push_back(make_spin_timed_channel(words->spin_timed_line));
       else chans.push_back(make_futex_channel(&words->futex_word));
       chans.push_back(make_eventfd_channel());
       chans.push_back(make_pipe_channel());
@@ -634,8 +641,8 @@ int main(int argc, char** argv) {
     for (const Row& r : rows) {
       if (r.name.rfind("iceoryx", 0) == 0 && !r.samples.empty())
         iceoryx_p50[busy] = summarize(r.samples).p50;
-      if (r.name.find("one clock read") != std::string::npos && !r.samples.empty())
-        stamped_p50 = summarize(r.samples).p50;
+      if (r.name.find("waker's clock read") != std::string::npos && !r.samples.empty())
+        timed_p50 = summarize(r.samples).p50;
     }
     print_latency_table(busy ? "(a,d) one-way wake latency, waiter busy-polling"
                              : "(a,d) one-way wake latency, waiter blocked",
@@ -718,11 +725,11 @@ int main(int argc, char** argv) {
                 fmt_us(libbubble_p50[1]).c_str(), fmt_us(floor_p50[1]).c_str(),
                 libbubble_p50[1] / floor_p50[1],
                 vs_target(libbubble_p50[1] / floor_p50[1], 1.1).c_str());
-  if (floor_p50[1] > 0 && stamped_p50 > 0)
-    std::printf("  (the spin plus the one clock read a libbubble start makes to time itself: %s us, "
-                "%.2f of the floor; libbubble / that = %.2f)\n",
-                fmt_us(stamped_p50).c_str(), stamped_p50 / floor_p50[1],
-                libbubble_p50[1] / stamped_p50);
+  if (floor_p50[1] > 0 && timed_p50 > 0)
+    std::printf("  (a start carries its bubble's begin time, read from the clock before it is "
+                "stored; the spin carrying the waker's clock read: %s us, %.2f of the bare spin; "
+                "libbubble / that = %.2f)\n",
+                fmt_us(timed_p50).c_str(), timed_p50 / floor_p50[1], libbubble_p50[1] / timed_p50);
   for (int busy = 0; busy <= 1; ++busy)
     if (iceoryx_p50[busy] > 0)
       std::printf("- %s: libbubble p50 %s us vs iceoryx %s us: %s\n",
