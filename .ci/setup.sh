@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what libbubble needs (Debian bookworm, as root), then configures and builds a preset.
-# Sourced by examples/demo.sh and tests/run.sh; usage: .ci/setup.sh [preset]  (default: release)
+# Run by examples/demo.sh, tests/run.sh and bench/run_all.sh.
+# usage: .ci/setup.sh [preset]  (default: release); .ci/setup.sh --packages installs only.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 preset="${1:-release}"
@@ -8,7 +9,8 @@ preset="${1:-release}"
 packages=(build-essential cmake pkg-config clang libclang-rt-14-dev
           libuv1-dev capnproto libcapnp-dev doctest-dev libsqlite3-dev
           golang-go bindgen python3 python3-pytest python3-torch
-          iceoryx libiceoryx-binding-c-dev libgrpc++-dev protobuf-compiler-grpc)
+          iceoryx libiceoryx-binding-c-dev libgrpc++-dev protobuf-compiler-grpc
+          libprotobuf-dev)  # only recommended by libgrpc++-dev, but the gRPC peer needs it
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -23,6 +25,8 @@ if ((${#missing[@]})); then
   apt-get update -q
   apt-get install -y -q --no-install-recommends "${missing[@]}"
 fi
+
+[ "$preset" = --packages ] && exit 0
 
 echo "== configuring and building (preset $preset)"
 cmake --preset "$preset" -S "$root" > /dev/null
