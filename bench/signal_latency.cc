@@ -12,7 +12,9 @@
 //   (b)   pause to ack: bubble end -> the task's ack, for an imperative task polling
 //         bb_task_should_pause between tiny units of work, and an iterative one (bb_task_run).
 //   (c)   predictive wake with a periodic trainer: start latency and the CPU the waiting costs,
-//         for BB_WAKE_PREDICTIVE, BB_WAKE_SLEEP and BB_WAKE_SPIN.
+//         for BB_WAKE_PREDICTIVE, BB_WAKE_SLEEP and BB_WAKE_SPIN, beside a bare spin whose
+//         waker keeps the trainer's schedule (asleep until shortly before each signal, so it
+//         signals with cold caches as a trainer coming from its compute does).
 //
 // Placement: the waker (trainer) on CPU 0, the waiter (task) on CPU 1.
 
@@ -65,7 +67,10 @@ struct PeerCtl {
   alignas(64) std::atomic<uint64_t> t0;
 };
 
-bool run_channel(Channel& ch, bool busy, size_t n, std::vector<uint64_t>* out, std::string* why) {
+// period_ns: signal every period_ns, sleeping between signals as the trainer of (c) does,
+// instead of spinning through a short gap.
+bool run_channel(Channel& ch, bool busy, size_t n, std::vector<uint64_t>* out, std::string* why,
+                 uint64_t period_ns = 0) {
   if (!ch.prepare(busy, why)) return false;
   Shared<PeerCtl> c;
   SharedSamples lat(n + kWarmup);
@@ -93,10 +98,12 @@ bool run_channel(Channel& ch, bool busy, size_t n, std::vector<uint64_t>* out, s
         return 1;
       }
       if (!wait_for([&] { return c->ready.load() != 0; }, 20 * kSecond)) return 2;
+      const uint64_t first = bb_now_ns() + 10'000'000;
       for (size_t k = 0; k < total; ++k) {
         if (!wait_for([&] { return c->done.load(std::memory_order_acquire) == k; }, 5 * kSecond))
           return 3;
-        spin_until(bb_now_ns() + gap);
+        if (period_ns) sleep_until(first + k * period_ns);
+        else spin_until(bb_now_ns() + gap);
         c->t0.store(bb_now_ns(), std::memory_order_relaxed);
         if (!ch.signal()) return 4;
       }
@@ -696,6 +703,24 @@ int main(int argc, char** argv) {
       {BB_WAKE_PREDICTIVE, Use::kRunOutLate, "PREDICTIVE, task waits 5 us after each pause"},
       {BB_WAKE_PREDICTIVE, Use::kYield, "PREDICTIVE, task yields each bubble at once"},
   };
+  // The floor of this table: a bare spin, its waker keeping the trainer's schedule (asleep
+  // until shortly before each signal), its waiter spinning all the time.
+  double periodic_floor_p50 = 0;
+  if (peers) {
+    std::vector<uint64_t> samples;
+    std::string why;
+    const char* name = "bare shared-memory spin (floor), waker on the same schedule";
+    std::unique_ptr<Channel> spin = make_spin_channel(&words->spin_word);
+    if (run_channel(*spin, true, duration / period, &samples, &why, period)) {
+      const Summary f = summarize(samples);
+      periodic_floor_p50 = f.p50;
+      std::printf("| %s | %zu | %s | %s | %s | 100.0%% | 100.0%% | 0.00 |\n", name, f.n,
+                  fmt_us(f.p50).c_str(), fmt_us(f.p99).c_str(), fmt_us(f.p999).c_str());
+    } else {
+      std::printf("| %s | not measured: %s |\n", name, why.c_str());
+    }
+    std::fflush(stdout);
+  }
   for (const Variant& v : variants) {
     PeriodicResult r;
     std::string why;
@@ -741,5 +766,9 @@ int main(int argc, char** argv) {
   std::printf("- predictive wake p50 %s us <= 0.5 us: %s; CPU waiting %.1f%% <= 5%%: %s\n",
               fmt_us(pred.lat.p50).c_str(), vs_target(pred.lat.p50, 500).c_str(),
               100 * pred.wait_cpu_share, vs_target(pred.wait_cpu_share, 0.05).c_str());
+  if (periodic_floor_p50 > 0)
+    std::printf("  (a bare spin with a waker on the same schedule: %s us; predictive / that = "
+                "%.2f)\n",
+                fmt_us(periodic_floor_p50).c_str(), pred.lat.p50 / periodic_floor_p50);
   return 0;
 }
