@@ -431,13 +431,18 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
   uint64_t spin = std::min<uint64_t>(spin_ns_, until - now);
   uint64_t sleep_until = until;
   bool adapt = true;
+  bool predictive_sleep = false;  // a sleep that should end `head` before the predicted bubble
   if (opts_.wake_mode == BB_WAKE_PREDICTIVE) {
     // The trainer publishes when it expects the next bubble: sleep until just before it, spin
-    // through a window around it, and fall back to sleeping when the guess missed.
+    // through a window around it, and fall back to sleeping when the guess missed. A timed
+    // sleep ends late (a thread's timer slack is 50 us by default, and waking an idle CPU takes
+    // more on a VM), so it starts that much earlier: by the mean lateness of the sleeps before
+    // (the lead stays the margin for the rest), at most four leads.
     const uint64_t next = hub_.bubble()->next_begin_ns.load(std::memory_order_relaxed);
     const uint64_t lead = opts_.wake_lead_ns;
+    const uint64_t head = lead + std::min(sleep_late_.mean, 4 * lead);
     const uint64_t late = late_window_ns_ ? late_window_ns_ : lead;
-    if (next != 0 && now + lead >= next && now <= next + late) {
+    if (next != 0 && now + head >= next && now <= next + late) {
       if (shm::spin_until_changed(word, bell, std::min(next + late - now, until - now), seen_ns))
         return BB_OK;
       // The bubble is later than predicted: the futex wake will bring it, and the window
@@ -445,8 +450,9 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
       missed_window_ = true;
       spin = 0;
       adapt = false;
-    } else if (next > now + lead) {
-      sleep_until = std::min(until, next - lead);
+    } else if (next > now + head) {
+      sleep_until = std::min(until, next - head);
+      predictive_sleep = sleep_until == next - head;
       spin = 0;
       adapt = false;
     } else if (next != 0) {
@@ -466,11 +472,14 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
   if (word->load(std::memory_order_relaxed) == bell) {
     const uint64_t left = sleep_until == UINT64_MAX ? UINT64_MAX
                                                     : sleep_until - std::min(sleep_until, slept_at);
+    if (left > kLivenessSliceNs) predictive_sleep = false;  // it ends at the slice instead
     w = shm::futex_wait(word, bell, int64_t(std::min<uint64_t>(left, kLivenessSliceNs)));
   }
   page_->sleeping.store(0, std::memory_order_relaxed);
   const uint64_t woke = now_ns();
   if (w == shm::WaitResult::kChanged) *seen_ns = woke;
+  if (predictive_sleep && w == shm::WaitResult::kTimeout)
+    sleep_late_.observe(woke > sleep_until ? woke - sleep_until : 0);
   if (adapt) {
     // Adapt the spin: a wake soon after falling asleep says spinning a little longer would
     // have caught it; a long sleep says spinning was wasted.
@@ -487,15 +496,7 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
 bb_status Task::report_step(uint64_t step_ns) {
   if (!sock_) return fail(BB_E_TRAINER_GONE, "the task is not attached (its trainer went away)");
   check_trainer_while_running();
-  ++steps_;
-  if (steps_ == 1) {
-    est_mean_ = step_ns;
-    est_dev_ = step_ns / 4;
-  } else {
-    const uint64_t diff = step_ns > est_mean_ ? step_ns - est_mean_ : est_mean_ - step_ns;
-    est_dev_ = est_dev_ - est_dev_ / 4 + diff / 4;
-    est_mean_ = est_mean_ - est_mean_ / 8 + step_ns / 8;
-  }
+  step_est_.observe(step_ns);
   // The part of the step after the trainer asked us to pause ran outside the bubble.
   uint64_t outside = 0;
   if (epoch_ != 0 && ctl_->paused_epoch.load(std::memory_order_acquire) == epoch_) {
@@ -519,7 +520,7 @@ void Task::time_left(uint64_t* left_ns, uint64_t* est_step_ns) const {
     }
   }
   if (left_ns) *left_ns = left;
-  if (est_step_ns) *est_step_ns = steps_ ? est_mean_ + 2 * est_dev_ : 0;
+  if (est_step_ns) *est_step_ns = step_est_.bound();
 }
 
 void Task::finish_report(bool failed) {
@@ -573,8 +574,8 @@ bb_status Task::run(const bb_task_callbacks_t& cbs) {
         // step is tried again. Short bubbles among long ones never lower it (that would start
         // steps that spill).
         if (!stepped && need > longest_bubble_ns_) {
-          est_mean_ -= est_mean_ / 16;
-          est_dev_ -= est_dev_ / 4;
+          step_est_.mean -= step_est_.mean / 16;
+          step_est_.dev -= step_est_.dev / 4;
         }
         break;
       }

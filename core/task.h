@@ -10,6 +10,7 @@
 #include <memory>
 #include <string>
 
+#include "core/estimate.h"
 #include "core/grant.h"
 #include "shm/layout.h"
 #include "shm/segment.h"
@@ -97,10 +98,10 @@ class Task {
   bool stopped_ = false;
   bool finished_ = false;
 
-  // Step-time estimate: a smoothed mean plus twice the smoothed deviation (as TCP estimates
-  // round-trip times), so a step starts only when it is likely to fit.
-  uint64_t est_mean_ = 0, est_dev_ = 0;
-  uint64_t steps_ = 0;
+  // Step time (bound(): a step starts only when it is likely to fit) and how late a predictive
+  // sleep ends past the time asked for (timer slack, the wake-up of an idle CPU): the task ends
+  // its sleeps that much earlier (the mean), so it is spinning when the predicted bubble begins.
+  SmoothedEstimate step_est_, sleep_late_;
   uint64_t longest_bubble_ns_ = 0;  // the longest recent bubble, decaying slowly
 
   // The mapped grant (grant_id_ != 0) and the trainer's grant words last applied.

@@ -278,7 +278,9 @@ typedef struct bb_task_options_t {
   uint64_t spin_ns;             /* spin this long before sleeping on a wait; default 20 us */
   const char *runtime_dir;      /* may be NULL: same default as the trainer */
   uint64_t wake_lead_ns;        /* PREDICTIVE: start spinning this long before the predicted
-                                   bubble, and give up spinning as long after it; default 50 us */
+                                   bubble, and give up spinning as long after it; default 50 us.
+                                   Sleeps end earlier by how late the task's sleeps have been
+                                   ending (learned; at most 4 x wake_lead_ns more). */
 } bb_task_options_t;
 
 #define BB_TASK_OPTIONS_INIT                                                                   \
