@@ -135,7 +135,7 @@ struct BubbleCtl {
   alignas(64) std::atomic<uint64_t> started;
   alignas(64) std::atomic<uint64_t> acked;
   alignas(64) std::atomic<uint64_t> end_ns;  // (b): stamped just before bb_bubble_end
-  alignas(64) std::atomic<uint64_t> begin_ns;  // (a), (c): stamped just before bb_bubble_begin
+  alignas(64) std::atomic<uint64_t> begin_ns;  // (a): stamped just before bb_bubble_begin
   // Results.
   std::atomic<uint64_t> wait_cpu_ns, proc_cpu_ns, wall_ns, starts, wakes, unit_ns_x1000;
   std::atomic<uint64_t> rt_pause_p50, rt_pause_p99;
@@ -376,6 +376,10 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
   init_ctl(&*c, dir, "periodic");
   const size_t cap = duration_ns / period_ns + 16;
   SharedSamples lat(cap);
+  // Bubble k (numbered k + 1) stamped just before its bb_bubble_begin. One word per bubble: this
+  // trainer does not wait for the task, which may read its stamp after the next bubble began.
+  const uint64_t iters = duration_ns / period_ns + kWarmup;
+  SharedSamples begun(iters);
   int task_rc, trainer_rc;
   {
     Child task(kWaiterCpu, [&]() -> int {
@@ -393,8 +397,9 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
         }
         if (k >= kWarmup) {
           wait_cpu += thread_cpu_ns() - cpu0;
-          if (k - kWarmup < cap)
-            lat.data()[k - kWarmup] = t1 - c->begin_ns.load(std::memory_order_relaxed);
+          if (k - kWarmup < cap && info.bubble_seq >= 1 && info.bubble_seq <= iters)
+            lat.data()[k - kWarmup] =
+                t1 - std::atomic_ref<uint64_t>(begun.data()[info.bubble_seq - 1]).load();
           // The run ends with the last start: the wait after it ends with the trainer leaving.
           wall_end = t1;
           cpu_end = process_cpu_ns();
@@ -416,7 +421,6 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
     Child trainer(kWakerCpu, [&]() -> int {
       bb_trainer_h t = open_trainer(&*c);
       if (!wait_for([&] { return c->attached.load() != 0; }, 10 * kSecond)) return 2;
-      const uint64_t iters = duration_ns / period_ns + kWarmup;
       const uint64_t t0 = bb_now_ns() + 10'000'000;
       uint64_t starts0 = 0, wakes0 = 0;
       for (uint64_t k = 0; k < iters; ++k) {
@@ -428,7 +432,7 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
         }
         const uint64_t at = t0 + k * period_ns;
         sleep_until(at);
-        c->begin_ns.store(bb_now_ns(), std::memory_order_relaxed);  // as in (a)
+        std::atomic_ref<uint64_t>(begun.data()[k]).store(bb_now_ns());  // as in (a)
         bb_bubble_begin(t, len_ns, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY);
         sleep_until(at + len_ns);
         bb_bubble_end(t);
