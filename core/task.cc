@@ -23,6 +23,7 @@ namespace {
 // without being able to say so (the futex word will never change again).
 constexpr int64_t kLivenessSliceNs = 100'000'000;
 constexpr uint64_t kMinSpinNs = 1'000;
+constexpr uint64_t kMaxWaitOptionNs = 1'000'000'000;  // wake_lead_ns and spin_ns
 constexpr uint64_t kReattachPollNs = 50'000'000;
 
 }  // namespace
@@ -38,6 +39,13 @@ bb_status Task::attach(const char* job_id, uint32_t rank, const char* name,
                 opts.on_trainer_exit);
   if (opts.wake_mode > BB_WAKE_SPIN)
     return fail(BB_E_INVALID, "wake_mode %u is not a bb_wake_mode value", opts.wake_mode);
+  // Waits spin for these and for small multiples of them; beyond a second they are mistakes.
+  if (opts.wake_lead_ns > kMaxWaitOptionNs || opts.spin_ns > kMaxWaitOptionNs)
+    return fail(BB_E_INVALID, "%s %llu ns is over 1 s: it is how long a waiting task spins, "
+                "microseconds in practice (defaults: wake_lead_ns 50 us, spin_ns 20 us)",
+                opts.wake_lead_ns > kMaxWaitOptionNs ? "wake_lead_ns" : "spin_ns",
+                (unsigned long long)(opts.wake_lead_ns > kMaxWaitOptionNs ? opts.wake_lead_ns
+                                                                          : opts.spin_ns));
   std::unique_ptr<Task> t(new Task());
   if ((st = resolve_runtime_dir(opts.runtime_dir, false, &t->dir_)) != BB_OK) return st;
   t->job_ = job_id;

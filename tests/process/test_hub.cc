@@ -221,6 +221,26 @@ TEST_CASE("invalid_hub_names_are_refused_and_create_nothing") {
   CHECK(dir.files().empty());
 }
 
+TEST_CASE("wait_options_over_a_second_are_refused_with_the_option_named") {
+  RuntimeDir dir;
+  Trainer t("spins", 0, 2);  // a trainer is there: the options are what is refused
+  bb_task_options_t o;
+  bb_task_options_init(&o);
+  o.wake_lead_ns = UINT64_MAX / 2;
+  bb_task_h task = nullptr;
+  CHECK(bb_task_attach("spins", 0, "t", &o, &task) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("wake_lead_ns") != std::string::npos);
+  CHECK(task == nullptr);
+  bb_task_options_init(&o);
+  o.spin_ns = 2'000'000'000;
+  CHECK(bb_task_attach("spins", 0, "t", &o, &task) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("spin_ns") != std::string::npos);
+  bb_task_options_init(&o);
+  o.wake_lead_ns = 1'000'000'000;  // a second is still allowed
+  REQUIRE(bb_task_attach("spins", 0, "t", &o, &task) == BB_OK);
+  bb_task_detach(task);
+}
+
 TEST_CASE("attach_without_trainer_says_so") {
   RuntimeDir dir;
   bb_task_h task = nullptr;

@@ -275,12 +275,13 @@ typedef struct bb_task_options_t {
   uint32_t on_trainer_exit;     /* bb_on_trainer_exit; default RETURN */
   uint32_t wake_mode;           /* bb_wake_mode; default PREDICTIVE */
   uint64_t reattach_timeout_ns; /* with WAIT: give up after this long; default 60 s */
-  uint64_t spin_ns;             /* spin this long before sleeping on a wait; default 20 us */
+  uint64_t spin_ns;             /* spin this long before sleeping on a wait; default 20 us,
+                                   at most 1 s */
   const char *runtime_dir;      /* may be NULL: same default as the trainer */
   uint64_t wake_lead_ns;        /* PREDICTIVE: start spinning this long before the predicted
-                                   bubble, and give up spinning as long after it; default 50 us.
-                                   Sleeps end earlier by how late the task's sleeps have been
-                                   ending (learned; at most 4 x wake_lead_ns more). */
+                                   bubble, and give up spinning as long after it; default 50 us,
+                                   at most 1 s. Sleeps end earlier by how late the task's sleeps
+                                   have been ending (learned; at most 4 x wake_lead_ns more). */
 } bb_task_options_t;
 
 #define BB_TASK_OPTIONS_INIT                                                                   \
