@@ -70,7 +70,8 @@ struct HubSnapshot {
 enum class EventType : uint16_t {
   kBubbleBegin = 1,  // ts = begin; a = expected_ns (0 unknown), b = free_mem
   kBubbleEnd = 2,    // ts = end; a = duration_ns
-  kTaskStart = 3,    // slot; ts = when the task ran; a = run epoch, b = start latency ns
+  kTaskStart = 3,    // slot; ts = when the task saw its start (and ran, unless the bubble had
+                     // ended by then); a = run epoch, b = start latency ns
   kTaskPause = 4,    // slot; ts = the ack; a = run epoch, b = pause latency ns (0 if it yielded)
   kTaskStep = 5,     // slot; ts = step start; a = duration ns, b = ns of it past the bubble's end
   kTaskAttach = 6,   // slot; a = pid

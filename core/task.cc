@@ -320,7 +320,9 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
   for (;;) {
     const uint32_t bell = ctl_->doorbell.load(std::memory_order_acquire);
     // After loading the bell: a grant change made after this look also moves the bell.
+    const uint64_t held = grant_id_;
     if (const bb_status gs = sync_grant(kUnmap | kMap); gs != BB_OK) return gs;
+    if (grant_id_ != held) seen_ns = 0;  // a start found now also waited for that (un)mapping
     // A start not taken yet: its block (on the line of the bell just read) is stable until we
     // ack its epoch.
     const uint32_t given = ctl_->given_epoch.load(std::memory_order_acquire);
@@ -344,8 +346,11 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
       cmd.free_mem = ctl_->start_free_mem.load(std::memory_order_relaxed);
       cmd.grant_id = ctl_->start_grant_id.load(std::memory_order_relaxed);
       if (cmd.grant_id != 0 && cmd.grant_id != grant_id_) {
-        // Started with a grant we have not looked at yet (the bubble thread raced our look).
+        // Started with a grant we have not looked at yet (the bubble thread raced our look):
+        // the start waits for its mapping, so its time is read after it.
+        seen_ns = 0;
         if (const bb_status gs = sync_grant(kUnmap | kMap); gs != BB_OK) {
+          stamp_started(cmd.epoch, 0);  // every start is reported, a failed one too
           ack(cmd.epoch, false);
           return gs;
         }
@@ -442,13 +447,11 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
   bool predictive_sleep = false;  // a sleep that should end `head` before the predicted bubble
   if (opts_.wake_mode == BB_WAKE_PREDICTIVE) {
     // The trainer publishes when it expects the next bubble: sleep until just before it, spin
-    // through a window around it, and fall back to sleeping when the guess missed. A timed
-    // sleep ends late (a thread's timer slack is 50 us by default, and waking an idle CPU takes
-    // more on a VM), so it starts that much earlier: by the mean lateness of the sleeps before
-    // (the lead stays the margin for the rest), at most four leads.
+    // through a window around it, and fall back to sleeping when the guess missed. The sleep
+    // ends `head` before the bubble: the lead plus how late sleeps have been ending (core/wake.h).
     const uint64_t next = hub_.bubble()->next_begin_ns.load(std::memory_order_relaxed);
     const uint64_t lead = opts_.wake_lead_ns;
-    const uint64_t head = lead + std::min(sleep_late_.mean, 4 * lead);
+    const uint64_t head = wake_head(lead, sleep_late_.mean);
     const uint64_t late = late_window_ns_ ? late_window_ns_ : lead;
     if (next != 0 && now + head >= next && now <= next + late) {
       if (shm::spin_until_changed(word, bell, std::min(next + late - now, until - now), seen_ns))
@@ -486,8 +489,10 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
   page_->sleeping.store(0, std::memory_order_relaxed);
   const uint64_t woke = now_ns();
   if (w == shm::WaitResult::kChanged) *seen_ns = woke;
-  if (predictive_sleep && w == shm::WaitResult::kTimeout)
-    sleep_late_.observe(woke > sleep_until ? woke - sleep_until : 0);
+  uint64_t late = 0;
+  if (predictive_sleep &&
+      sleep_lateness(w == shm::WaitResult::kTimeout, slept_at, sleep_until, woke, &late))
+    sleep_late_.observe(late);
   if (adapt) {
     // Adapt the spin: a wake soon after falling asleep says spinning a little longer would
     // have caught it; a long sleep says spinning was wasted.

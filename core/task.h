@@ -12,6 +12,7 @@
 
 #include "core/estimate.h"
 #include "core/grant.h"
+#include "core/wake.h"
 #include "shm/layout.h"
 #include "shm/segment.h"
 
