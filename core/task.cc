@@ -137,9 +137,16 @@ bb_status Task::connect() {
   m.mem_need = opts_.mem_need;
   m.min_step_ns = opts_.min_step_ns;
   std::snprintf(m.name, sizeof m.name, "%s", name_.c_str());
-  if (int e = shm::send_msg(s.get(), &m, sizeof m, nullptr, 0))
+  if (int e = shm::send_msg(s.get(), &m, sizeof m, nullptr, 0)) {
+    // A trainer closing its hub can take the connection into its backlog and then reset it: it
+    // went away during the attach, as when it closes before replying (a task that waits for a
+    // trainer to reopen the hub tries again).
+    if (e == ECONNRESET || e == EPIPE)
+      return fail(BB_E_TRAINER_GONE, "the trainer at %s closed the connection during attach",
+                  path.c_str());
     return fail(BB_E_SYSTEM, "cannot send the attach request to %s: %s", path.c_str(),
                 std::strerror(e));
+  }
   alignas(8) char buf[shm::kWireMaxMessage];
   int fds[2], nfds;
   const long n = shm::recv_msg(s.get(), buf, fds, &nfds);
