@@ -440,10 +440,15 @@ void Trainer::end_locked(uint64_t now) {
     Slot& s = slots_[i];
     SlotCtl* c = hub_.slot(i);
     // refresh_slots() dropped any slot reclaimed since begin, so s.page is still mapped.
-    c->run_epoch.store(0, std::memory_order_release);
-    if (s.page->acked_epoch.load(std::memory_order_acquire) == s.epoch) continue;  // yielded
+    // When the pause was asked goes out before the pause itself: a task that sees run_epoch
+    // change then also sees this, and times its pause from it (published after, a task quick
+    // enough to ack in between reported a pause latency of 0). For a task that already yielded
+    // the words say a pause was asked that it had answered; the agent looks only at tasks
+    // whose start is not yet acked.
     c->pause_requested_ns.store(now, std::memory_order_relaxed);
     c->paused_epoch.store(s.epoch, std::memory_order_release);
+    c->run_epoch.store(0, std::memory_order_release);
+    if (s.page->acked_epoch.load(std::memory_order_acquire) == s.epoch) continue;  // yielded
     c->doorbell.fetch_add(1, std::memory_order_release);
     std::atomic_thread_fence(std::memory_order_seq_cst);
     // A task that acked meanwhile is waiting for the next start, not for this pause.
