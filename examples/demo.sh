@@ -94,7 +94,7 @@ echo "== side tasks"
 cat "$run"/task*.out | sed 's/^/   /'
 echo
 "$py" - "$run" "$stages" <<'PY'
-import json, sys
+import json, os, sys
 run, stages = sys.argv[1], int(sys.argv[2])
 rows = []
 for r in range(stages):
@@ -120,6 +120,10 @@ print(f"\nbubbles seen: {tot['bubbles']}, bubble time: {ms(tot['bubble_ns']):.0f
       f"bubble time), outside bubbles: {ms(tot['task_ns_outside']):.0f} ms")
 print("start latency = bubble begin to the task running; pause latency = bubble end to the task's "
       "ack, including the rest of the step it was in.")
+print(f"The p99s count every start and pause, also those of a task that was not on a core when its "
+      f"bubble began or ended: here {stages} trainers, 5 side tasks and the agent share "
+      f"{os.cpu_count()} cores; where they outnumber the cores, a p99 of milliseconds is a task "
+      f"waiting for a core (the medians are the runtime's own latency).")
 if tot["bubbles"] == 0 or tot["task_ns_in_bubbles"] == 0:
     sys.exit("demo failed: no bubble was harvested")
 PY
