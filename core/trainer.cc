@@ -21,6 +21,7 @@
 #include "core/grant_wire.h"
 #include "core/paths.h"
 #include "core/schedule.h"
+#include "shm/fd_passing.h"
 #include "shm/futex.h"
 #include "shm/wire.h"
 
@@ -95,8 +96,6 @@ constexpr size_t kMaxPeers = 64;  // connections holding no task slot
 constexpr uint64_t kServiceTickNs = 10'000'000ull;  // report draining while tasks are attached
 constexpr uint64_t kServiceBusyTickNs = 1'000'000ull;  // ... while a task's reports pile up
 constexpr uint64_t kMaxSaneNs = 3600'000'000'000ull;
-
-int pidfd_open(pid_t pid) { return int(syscall(SYS_pidfd_open, pid, 0)); }
 
 // The process behind a pidfd has exited (its memory is gone).
 bool pidfd_dead(int pidfd) {
@@ -208,6 +207,9 @@ bb_status Trainer::init(const char* job_id, uint32_t rank, const bb_trainer_opti
   if (bind(listen_fd_.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
     return fail(BB_E_SYSTEM, "cannot bind hub socket %s: %s", socket_path_.c_str(),
                 std::strerror(errno));
+  // Nothing reaches the hub with descriptors; refusing them keeps a task from passing one whose
+  // close would block the service thread (a kernel without the option closes what arrives).
+  (void)shm::refuse_passed_fds(listen_fd_.get());
   // The directory is 0700 already; the mode is a second fence.
   if (chmod(socket_path_.c_str(), 0600) != 0 || listen(listen_fd_.get(), 64) != 0)
     return fail(BB_E_SYSTEM, "cannot listen on hub socket %s: %s", socket_path_.c_str(),
@@ -866,10 +868,34 @@ void Trainer::attach_task(Conn& c, const void* raw) {
                                  std::to_string(opts_.max_slots) +
                                  " task slots in use: detach a task, or open the hub with a "
                                  "larger max_slots");
+  // Without a pidfd the process could never be killed for a grant it keeps past its revoke's
+  // deadline, nor its death told apart from a closed connection: refuse it. SO_PEERCRED names
+  // the process that called connect(), which may have exited since (or live in a pid namespace
+  // this one cannot see, pid 0).
+  shm::Fd pidfd;
+  {
+    int fd = -1;
+    std::string why;
+    if (cred.pid <= 0)
+      return reject(BB_E_PERMISSION, "the connecting process is not visible from the trainer's "
+                                     "pid namespace: attach from the trainer's namespace or a "
+                                     "parent of it");
+    const bb_status ps = shm::pidfd_open_pid(cred.pid, &fd, &why);
+    if (ps != BB_OK)
+      return reject(ps == BB_E_UNSUPPORTED ? ps : BB_E_PERMISSION, "cannot watch the process that connected (" + why + "): a task must "
+                        "attach from the process that connected to the hub, and stay alive");
+    pidfd.reset(fd);
+  }
   Slot& s = slots_[i];
   std::string err;
   s.page_fd = shm::create_segment("bubble-task", shm::kTaskPageSize, &err);
   if (!s.page_fd) return reject(BB_E_SYSTEM, err);
+  // The task maps its page writable and could shrink it under the trainer's (and observers')
+  // mappings, which would then fault on their next read.
+  if (!shm::seal_size(s.page_fd.get(), &err)) {
+    s.page_fd.reset();
+    return reject(BB_E_SYSTEM, err);
+  }
   {
     shm::Mapping rw = shm::map_segment(s.page_fd.get(), shm::kTaskPageSize, true, &err);
     if (!rw) {
@@ -886,7 +912,7 @@ void Trainer::attach_task(Conn& c, const void* raw) {
     s.page_fd.reset();
     return reject(BB_E_SYSTEM, err);
   }
-  s.pidfd.reset(pidfd_open(cred.pid));
+  s.pidfd = std::move(pidfd);
 
   SlotCtl* ctl = hub_.slot(i);
   const uint32_t gen = ctl->generation.load(std::memory_order_relaxed) + 1;

@@ -190,6 +190,12 @@ bb_status recv_fds(int sock, void* data, size_t cap, size_t* len, int* fds, size
   return BB_E_CORRUPT;
 }
 
+bool refuse_passed_fds(int sock) {
+  constexpr int kSoPassRights = 83;  // SO_PASSRIGHTS, not in the C library's headers yet
+  const int off = 0;
+  return setsockopt(sock, SOL_SOCKET, kSoPassRights, &off, sizeof off) == 0;
+}
+
 bb_status pidfd_open_pid(pid_t pid, int* out, std::string* error) {
   *out = -1;
   long fd = ::syscall(SYS_pidfd_open, pid, 0);

@@ -52,6 +52,14 @@ bb_status send_fds(int sock, const void* data, size_t len, const int* fds, size_
 bb_status recv_fds(int sock, void* data, size_t cap, size_t* len, int* fds, size_t max_fds,
                    size_t* nfds, std::string* error);
 
+// Has the kernel refuse descriptors sent to `sock` and, for a listening socket, to every socket
+// it accepts (SO_PASSRIGHTS = 0, inherited at connect; Linux 6.16+): the sender's sendmsg fails
+// with EPERM. A receiver must close what it is sent, and the close of some descriptors blocks
+// (a TCP socket lingering with unsent data, a file on a stalled FUSE mount), so a peer that may
+// not be trusted could otherwise stall the thread that reads it. Returns false where the kernel
+// has no such option; everything else works as before there.
+bool refuse_passed_fds(int sock);
+
 // pidfd_open(pid): a descriptor that names the process (not a recycled pid), close-on-exec.
 bb_status pidfd_open_pid(pid_t pid, int* out, std::string* error);
 

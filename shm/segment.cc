@@ -65,6 +65,14 @@ bool seal_read_only(int fd, std::string* error) {
   return true;
 }
 
+bool seal_size(int fd, std::string* error) {
+  if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+    *error = std::string("cannot seal the size of a task page: ") + std::strerror(errno);
+    return false;
+  }
+  return true;
+}
+
 int64_t segment_size(int fd) {
   struct stat st;
   if (fstat(fd, &st) != 0) return -1;

@@ -60,6 +60,11 @@ Mapping map_segment(int fd, size_t size, bool writable, std::string* error);
 // resize. Existing writable mappings (the creator's) keep working.
 bool seal_read_only(int fd, std::string* error);
 
+// Forbids any resize of the segment (and further seals), writes stay allowed. A segment the
+// creator maps and hands to a peer that may not be trusted (a task page) needs it: shrunk by the
+// peer, the creator's mapping would fault (SIGBUS) where it reads past the new end.
+bool seal_size(int fd, std::string* error);
+
 // Size of the segment behind fd, or -1.
 int64_t segment_size(int fd);
 

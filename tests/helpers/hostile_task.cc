@@ -4,7 +4,17 @@
 //
 //   bb_hostile_task SOCKET_PATH SECONDS
 // Prints "ATTACHED", then "SCRIBBLED <n>" before the write that faults. Never returns normally.
+//
+//   bb_hostile_task SOCKET_PATH SECONDS --resize
+// Tries to shrink its page to nothing and to grow it (which would leave the trainer's mapping
+// of it reading past the end of the file), prints "SHRINK <result>" and "GROW <result>" (OK or
+// the error), stays attached for SECONDS and exits 0.
 #include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <ctime>
 
 #include <cstdint>
 #include <cstdio>
@@ -14,8 +24,9 @@
 #include "tests/helpers/raw_attach.h"
 
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: %s SOCKET_PATH SECONDS\n", argv[0]);
+  const bool resize = argc == 4 && std::strcmp(argv[3], "--resize") == 0;
+  if (argc != 3 && !resize) {
+    std::fprintf(stderr, "usage: %s SOCKET_PATH SECONDS [--resize]\n", argv[0]);
     return 64;
   }
   bbtest::RawAttach a;
@@ -31,6 +42,17 @@ int main(int argc, char** argv) {
   if (page == MAP_FAILED || hub == MAP_FAILED) return 3;
   std::printf("ATTACHED\n");
   std::fflush(stdout);
+  if (resize) {
+    const int shrink = ftruncate(a.page_fd, 0) == 0 ? 0 : errno;
+    const int grow = ftruncate(a.page_fd, off_t(bb::shm::kTaskPageSize) * 4) == 0 ? 0 : errno;
+    std::printf("SHRINK %s\nGROW %s\n", shrink ? std::strerror(shrink) : "OK",
+                grow ? std::strerror(grow) : "OK");
+    std::fflush(stdout);
+    const double seconds = std::atof(argv[2]);
+    timespec ts{time_t(seconds), long((seconds - double(time_t(seconds))) * 1e9)};
+    nanosleep(&ts, nullptr);
+    return 0;
+  }
   uint64_t x = 0x9e3779b97f4a7c15ull, n = 0;
   timespec t0, t;
   clock_gettime(CLOCK_MONOTONIC, &t0);

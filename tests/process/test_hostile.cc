@@ -1,13 +1,18 @@
 // A hostile task scribbling over all it can write, beside a well-behaved one.
 #include <bubble/bubble.h>
 #include <doctest/doctest.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 
 #include <string>
 
 #include "core/observer.h"
 #include "core/paths.h"
+#include "shm/fd_passing.h"
+#include "shm/segment.h"
 #include "tests/helpers/proc.h"
+#include "tests/helpers/raw_attach.h"
 
 using bbtest::Child;
 using bbtest::RuntimeDir;
@@ -71,6 +76,128 @@ TEST_CASE("hostile_task_cannot_crash_stall_or_corrupt_the_trainer") {
   std::string err;
   CHECK(bb::core::HubObserver::open("", "hostile", 0, &obs, &err) == BB_OK);
   obs.reset();
+  bb_trainer_close(t);
+  CHECK(dir.files().empty());
+}
+
+namespace {
+
+std::string hub_socket(const RuntimeDir& dir, const char* job) {
+  std::string sock;
+  REQUIRE(bb::core::hub_paths(dir.path(), job, 0, &sock, nullptr) == BB_OK);
+  return sock;
+}
+
+// Sends an attach request as `name` on sock; returns the reply (status, error text).
+bb::shm::AttachReplyMsg attach_on(int sock, const char* name) {
+  auto m = bb::shm::make_msg<bb::shm::AttachTaskMsg>(bb::shm::MsgType::kAttachTask);
+  std::snprintf(m.name, sizeof m.name, "%s", name);
+  bb::shm::AttachReplyMsg r{};
+  r.status = -1000;
+  if (bb::shm::send_msg(sock, &m, sizeof m, nullptr, 0) != 0) return r;
+  alignas(8) char buf[bb::shm::kWireMaxMessage];
+  int fds[2], nfds = 0;
+  const long n = bb::shm::recv_msg(sock, buf, fds, &nfds);
+  for (int f = 0; f < nfds; ++f) close(fds[f]);
+  if (bb::shm::check_msg(buf, n, bb::shm::MsgType::kAttachReply, sizeof r))
+    std::memcpy(&r, buf, sizeof r);
+  return r;
+}
+
+void run_bubbles(bb_trainer_h t, int n) {
+  for (int i = 0; i < n; ++i) {
+    REQUIRE(bb_bubble_begin(t, 1'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+    REQUIRE(bb_bubble_end(t) == BB_OK);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a_task_cannot_resize_its_page_under_the_trainer") {
+  // The task maps its page writable. Shrunk, the trainer's (and observers') mapping of it would
+  // fault with SIGBUS at their next read, killing this process; the page's seals refuse it.
+  RuntimeDir dir;
+  bb_trainer_h t = nullptr;
+  REQUIRE(bb_trainer_open("resize", 0, nullptr, &t) == BB_OK);
+  Child evil({BB_HOSTILE_TASK, hub_socket(dir, "resize"), "30", "--resize"});
+  REQUIRE(evil.wait_line("ATTACHED") != "");
+  CHECK(evil.wait_line("SHRINK") == "SHRINK Operation not permitted");
+  CHECK(evil.wait_line("GROW") == "GROW Operation not permitted");
+  run_bubbles(t, 100);  // reads the task's page: started once, then never acked
+  std::unique_ptr<bb::core::HubObserver> obs;
+  std::string err;
+  REQUIRE(bb::core::HubObserver::open("", "resize", 0, &obs, &err) == BB_OK);
+  CHECK(obs->snapshot().tasks.size() == 1);  // maps the task's page as well
+  obs.reset();
+  bb_trainer_close(t);
+  CHECK(dir.files().empty());
+}
+
+TEST_CASE("an_attach_the_trainer_cannot_watch_is_refused") {
+  // Peer credentials name the process that called connect(). If it exited before the attach,
+  // the trainer could never kill the task nor tell its death: the attach is refused, saying why.
+  RuntimeDir dir;
+  bb_trainer_h t = nullptr;
+  REQUIRE(bb_trainer_open("ghost", 0, nullptr, &t) == BB_OK);
+  const std::string path = hub_socket(dir, "ghost");
+  bb::shm::Fd sock(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  REQUIRE(sock);
+  timeval tv{5, 0};
+  setsockopt(sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::snprintf(a.sun_path, sizeof a.sun_path, "%s", path.c_str());
+  const pid_t pid = fork();
+  REQUIRE(pid >= 0);
+  if (pid == 0) _exit(connect(sock.get(), reinterpret_cast<sockaddr*>(&a), sizeof a) == 0 ? 0 : 1);
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid);
+  REQUIRE((WIFEXITED(status) && WEXITSTATUS(status) == 0));
+  const bb::shm::AttachReplyMsg r = attach_on(sock.get(), "ghost");
+  CHECK(r.status == BB_E_PERMISSION);
+  CHECK(std::string(r.error).find("cannot watch the process that connected") != std::string::npos);
+  size_t n = 99;
+  REQUIRE(bb_trainer_tasks(t, nullptr, 0, &n) == BB_OK);
+  CHECK(n == 0);
+  // The connecting process itself attaches.
+  bb::shm::Fd ok(bbtest::connect_hub(path));
+  REQUIRE(ok);
+  CHECK(attach_on(ok.get(), "alive").status == BB_OK);
+  REQUIRE(bb_trainer_tasks(t, nullptr, 0, &n) == BB_OK);
+  CHECK(n == 1);
+  ok.reset();
+  sock.reset();
+  bb_trainer_close(t);
+  CHECK(dir.files().empty());
+}
+
+TEST_CASE("descriptors_sent_to_a_hub_are_refused") {
+  // The hub never takes descriptors, and closing one it was sent can block (a TCP socket that
+  // lingers with unsent data): the kernel refuses them at the sender (SO_PASSRIGHTS, 6.16+).
+  {
+    bb::shm::Fd probe(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+    if (!bb::shm::refuse_passed_fds(probe.get())) {
+      MESSAGE("this kernel has no SO_PASSRIGHTS (Linux 6.16+): nothing to check here");
+      return;
+    }
+  }
+  RuntimeDir dir;
+  bb_trainer_h t = nullptr;
+  REQUIRE(bb_trainer_open("passfd", 0, nullptr, &t) == BB_OK);
+  bb::shm::Fd sock(bbtest::connect_hub(hub_socket(dir, "passfd")));
+  REQUIRE(sock);
+  int p[2];
+  REQUIRE(pipe2(p, O_CLOEXEC) == 0);
+  bb::shm::Fd r(p[0]), w(p[1]);
+  auto m = bb::shm::make_msg<bb::shm::AttachTaskMsg>(bb::shm::MsgType::kAttachTask);
+  std::snprintf(m.name, sizeof m.name, "%s", "passfd");
+  const int fd = r.get();
+  CHECK(bb::shm::send_with_fds(sock.get(), &m, sizeof m, &fd, 1, 0) == EPERM);
+  // Without the descriptor the same connection attaches, and the trainer goes on.
+  CHECK(attach_on(sock.get(), "passfd").status == BB_OK);
+  CHECK(bb::shm::send_with_fds(sock.get(), &m, sizeof m, &fd, 1, 0) == EPERM);
+  run_bubbles(t, 10);
+  sock.reset();
   bb_trainer_close(t);
   CHECK(dir.files().empty());
 }

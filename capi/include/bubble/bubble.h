@@ -291,7 +291,9 @@ BB_API void bb_task_options_init(bb_task_options_t *opts);
 
 /* Attach to the hub of (job_id, rank) under a name (1..BB_NAME_MAX printable characters).
  * opts may be NULL. Fails with BB_E_NOT_FOUND when no trainer serves that hub, BB_E_FULL when
- * its slot table is full, BB_E_VERSION when the trainer's libbubble speaks another layout. */
+ * its slot table is full, BB_E_VERSION when the trainer's libbubble speaks another layout,
+ * BB_E_PERMISSION when the trainer cannot watch the calling process (it must be the process that
+ * connects, alive, and visible in the trainer's pid namespace). */
 BB_API bb_status bb_task_attach(const char *job_id, uint32_t rank, const char *name,
                                 const bb_task_options_t *opts, bb_task_h *out);
 /* Acks any pending pause, releases the slot and frees the handle. NULL is accepted. */
