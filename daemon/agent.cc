@@ -13,6 +13,7 @@
 namespace bb::daemon {
 
 void close_all_clients(Agent* agent);  // control.cc
+void close_all_http(Agent* agent);     // metrics.cc
 
 uint64_t mono_ns() {
   struct timespec ts;
@@ -105,6 +106,7 @@ void Agent::shutdown() {
   for (const auto& [id, lt] : live_) ids.push_back(id);
   for (int64_t id : ids) release_live(id);
   close_all_clients(this);
+  close_all_http(this);
 }
 
 std::vector<TaskRow> Agent::tasks(bool all) const {

@@ -76,6 +76,7 @@ struct LiveTask {
   bool cancel = false;
   bool replace = false;
   bool exited = false;
+  bool watch_failed = false;  // pidfd_open failed for a reason other than its exit
 };
 
 class Agent {
@@ -93,6 +94,8 @@ class Agent {
 
   // --- used by control.cc / metrics.cc
   void refresh_all();
+  // Tasks whose pidfd could not be opened (say, out of descriptors): tried again each tick.
+  void retry_pidfd_watches();
   std::string submit(const TaskSpec& spec, int64_t* id);
   std::string cancel(int64_t id, std::string* done);
   std::string drain(const std::string& hub, bool undo, std::string* done);
@@ -137,9 +140,10 @@ class Agent {
   void settle_dead_tasks();
   std::string launch(TaskRow* row, Hub* hub);
   void watch_pidfd(TaskRow* row);
+  void start_pidfd_watch(LiveTask* lt, pid_t pid);
   void terminate(TaskRow* row, const std::string& why);
   // Kills what is left of a submitted task's process group once its wrapper is gone.
-  void kill_orphans(const TaskRow& row);
+  void kill_orphans(const TaskRow& row, bool wrapper_died);
   void signal_task(const TaskRow& row, int sig);
   void record(const TaskRow* row, pid_t pid, const std::string& hub, const std::string& action,
               const std::string& detail);
@@ -158,6 +162,7 @@ class Agent {
   std::map<std::string, uint64_t> ended_by_state_;
   std::map<std::string, uint64_t> actions_by_kind_;
   uint64_t metrics_requests_ = 0;
+  std::set<void*> http_conns_;  // open metrics connections (metrics.cc)
   uv_loop_t* loop_ = nullptr;
   std::set<void*> clients_;  // open control connections (control.cc)
 

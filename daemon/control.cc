@@ -8,6 +8,7 @@
 #include "daemon/list_fit.h"
 #include "daemon/paths.h"
 #include "daemon/placement.h"
+#include "shm/fd_passing.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -28,6 +29,10 @@ namespace {
 
 constexpr size_t kMaxClients = 128;
 constexpr uint64_t kPartialFrameTimeoutMs = 10'000;
+// Replies a client has not read yet, at most: one that asks and never reads would otherwise make
+// the agent hold every reply (an `events` or `list` reply can be megabytes) until it runs out of
+// memory. Twice the largest frame, so a client that reads a large reply late is not cut off.
+constexpr size_t kMaxUnreadReplyBytes = 2 * size_t(bb::proto::MAX_FRAME_BYTES);
 
 // Bounds on one submission, so that every record stays small next to the frame limit and a
 // `list` of many records still fits one reply.
@@ -93,6 +98,14 @@ void send(Conn* c, capnp::MessageBuilder& msg, bool close_after) {
                     });
   if (rc < 0) {
     delete w;
+    close_conn(c);
+    return;
+  }
+  const size_t queued = uv_stream_get_write_queue_size(reinterpret_cast<uv_stream_t*>(&c->pipe));
+  if (queued > kMaxUnreadReplyBytes) {
+    c->agent->count_protocol_error();
+    agent_log("closed a client that left %zu bytes of replies unread (at most %zu)", queued,
+              kMaxUnreadReplyBytes);
     close_conn(c);
   }
 }
@@ -183,6 +196,7 @@ std::string read_spec(proto::TaskSpec::Reader r, TaskSpec* s) {
     s->env.push_back(kv);
   }
   s->cwd = text(r.getCwd());
+  if (s->cwd.find('\0') != std::string::npos) return "the working directory contains a NUL byte";
   if (!s->cwd.empty() && s->cwd[0] != '/') {
     return "working directory \"" + s->cwd + "\" must be an absolute path";
   }
@@ -696,6 +710,12 @@ std::string Agent::start_control() {
   umask(old);
   if (rc < 0) return "cannot bind " + path + ": " + uv_strerror(rc);
   chmod(path.c_str(), 0600);
+  // No client passes descriptors. The kernel would close any that came with a read on the
+  // loop's thread, and some closes block (a TCP socket lingering with unsent data): refuse them
+  // at the sender instead (Linux 6.16+; accepted sockets inherit it).
+  uv_os_fd_t lfd = -1;
+  if (uv_fileno(reinterpret_cast<uv_handle_t*>(control_), &lfd) == 0)
+    (void)shm::refuse_passed_fds(lfd);
   rc = uv_listen(reinterpret_cast<uv_stream_t*>(control_), 64, on_connection);
   if (rc < 0) return "cannot listen on " + path + ": " + uv_strerror(rc);
   return "";

@@ -54,6 +54,7 @@ struct HubCallbacks {
   }
   static void on_tick(uv_timer_t* t) {
     auto* agent = static_cast<Agent*>(t->data);
+    agent->retry_pidfd_watches();
     agent->refresh_all();
     agent->update_timers();
   }

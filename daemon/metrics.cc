@@ -5,18 +5,27 @@
 #include <string.h>
 
 #include <algorithm>
+#include <vector>
 
 namespace bb::daemon {
 
 namespace {
 
 constexpr size_t kMaxRequestBytes = 8192;
+// The port is open to every local user (loopback TCP has no peer credentials): a bounded number
+// of connections, each closed after a deadline, so idle ones cannot use up the agent's
+// descriptors (which it needs to launch tasks and watch them).
+constexpr size_t kMaxHttpConns = 16;
+constexpr uint64_t kHttpDeadlineMs = 5000;
 
 struct HttpConn {
   uv_tcp_t tcp;
+  uv_timer_t deadline;
   Agent* agent = nullptr;
   std::string request;
   bool done = false;
+  bool closing = false;
+  int handles = 1;  // tcp, and the deadline once started
 };
 
 struct HttpWrite {
@@ -44,8 +53,16 @@ std::string num(double v) {
 }
 
 void close_http(HttpConn* c) {
-  uv_close(reinterpret_cast<uv_handle_t*>(&c->tcp),
-           [](uv_handle_t* h) { delete static_cast<HttpConn*>(h->data); });
+  if (c->closing) return;
+  c->closing = true;
+  auto closed = [](uv_handle_t* h) {
+    auto* c = static_cast<HttpConn*>(h->data);
+    if (--c->handles > 0) return;
+    c->agent->http_conns_.erase(c);
+    delete c;
+  };
+  uv_close(reinterpret_cast<uv_handle_t*>(&c->tcp), closed);
+  if (c->handles == 2) uv_close(reinterpret_cast<uv_handle_t*>(&c->deadline), closed);
 }
 
 void respond(HttpConn* c, const char* status, const std::string& type, const std::string& body) {
@@ -106,12 +123,20 @@ void on_http_connection(uv_stream_t* server, int status) {
   if (status < 0) return;
   auto* c = new HttpConn;
   c->agent = static_cast<Agent*>(server->data);
+  c->agent->http_conns_.insert(c);
   uv_tcp_init(server->loop, &c->tcp);
   c->tcp.data = c;
-  if (uv_accept(server, reinterpret_cast<uv_stream_t*>(&c->tcp)) != 0) {
+  if (uv_accept(server, reinterpret_cast<uv_stream_t*>(&c->tcp)) != 0 ||
+      c->agent->http_conns_.size() > kMaxHttpConns) {
     close_http(c);
     return;
   }
+  uv_timer_init(server->loop, &c->deadline);
+  c->deadline.data = c;
+  c->handles = 2;
+  uv_timer_start(
+      &c->deadline, [](uv_timer_t* t) { close_http(static_cast<HttpConn*>(t->data)); },
+      kHttpDeadlineMs, 0);
   uv_read_start(
       reinterpret_cast<uv_stream_t*>(&c->tcp),
       [](uv_handle_t*, size_t suggested, uv_buf_t* buf) {
@@ -121,6 +146,11 @@ void on_http_connection(uv_stream_t* server, int status) {
 }
 
 }  // namespace
+
+void close_all_http(Agent* agent) {
+  std::vector<void*> all(agent->http_conns_.begin(), agent->http_conns_.end());
+  for (void* c : all) close_http(static_cast<HttpConn*>(c));
+}
 
 std::string Agent::start_metrics() {
   if (cfg_.metrics_port < 0) return "";

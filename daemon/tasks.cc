@@ -316,11 +316,9 @@ void Agent::on_task_exit(LiveTask* lt, ExitStatus st) {
   TaskRow& row = it->second;
   ExitStatus file;
   std::string exit_file = cfg_.state_dir + "/run/" + std::to_string(row.id) + ".exit";
-  if (read_exit_file(exit_file, &file)) {
-    st = file;  // the task's own status, not the wrapper's
-  } else {
-    kill_orphans(row);
-  }
+  const bool recorded = read_exit_file(exit_file, &file);
+  if (recorded) st = file;  // the task's own status, not the wrapper's
+  kill_orphans(row, !recorded);
   unlink(exit_file.c_str());
   bool killed = lt->killed_by_agent, cancel = lt->cancel, replace = lt->replace;
   release_live(row.id);
@@ -365,14 +363,17 @@ void Agent::on_task_exit(LiveTask* lt, ExitStatus st) {
   update_timers();
 }
 
-void Agent::kill_orphans(const TaskRow& row) {
-  // The wrapper died without recording a status, so it was killed, not its task: the task's
-  // direct child has PR_SET_PDEATHSIG, and this takes whatever else is left in the group, which
-  // would otherwise run on unsupervised. A group id is not reused while the group has members.
+void Agent::kill_orphans(const TaskRow& row, bool wrapper_died) {
+  // A launched task ends with its main process: whatever is left in its process group (a
+  // background job, a worker that ignored SIGTERM) would otherwise run on unsupervised, maybe on
+  // the GPU of a task placed there next. If the wrapper died without recording a status, it was
+  // killed, not its task: the task's direct child has PR_SET_PDEATHSIG, and this takes the rest.
+  // A group id is not reused while the group has members.
   if (row.origin == "attached" || row.pid <= 0) return;
   if (kill(-row.pid, SIGKILL) == 0) {
-    agent_log("task #%lld: its launch wrapper died without a status; killed what was left of "
-              "its process group", static_cast<long long>(row.id));
+    agent_log("task #%lld: %s; killed what was left of its process group",
+              static_cast<long long>(row.id),
+              wrapper_died ? "its launch wrapper died without a status" : "it ended");
   }
 }
 
@@ -506,15 +507,37 @@ std::string Agent::drain(const std::string& hub_name, bool undo, std::string* do
 }
 
 void Agent::watch_pidfd(TaskRow* row) {
-  int fd = static_cast<int>(syscall(SYS_pidfd_open, row->pid, 0));
   auto lt = std::make_unique<LiveTask>();
   lt->agent = this;
   lt->id = row->id;
   LiveTask* raw = lt.get();
   live_[row->id] = std::move(lt);
-  if (fd < 0) {
+  start_pidfd_watch(raw, row->pid);
+}
+
+void Agent::retry_pidfd_watches() {
+  std::vector<std::pair<LiveTask*, pid_t>> unwatched;
+  for (auto& [id, lt] : live_) {
+    auto row = tasks_.find(id);
+    if (!lt->exited && !lt->proc && lt->pidfd < 0 && row != tasks_.end())
+      unwatched.emplace_back(lt.get(), row->second.pid);
+  }
+  for (auto& [lt, pid] : unwatched) start_pidfd_watch(lt, pid);
+}
+
+void Agent::start_pidfd_watch(LiveTask* raw, pid_t pid) {
+  int fd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+  if (fd < 0 && errno == ESRCH) {
     // Gone between the check and now.
     on_task_exit(raw, ExitStatus{});
+    return;
+  }
+  if (fd < 0) {
+    // Out of descriptors, say: the task still runs. Tried again at every tick.
+    if (!raw->watch_failed)
+      agent_log("task #%lld (pid %d): cannot watch it yet (pidfd_open: %s); trying again",
+                static_cast<long long>(raw->id), pid, strerror(errno));
+    raw->watch_failed = true;
     return;
   }
   raw->pidfd = fd;
@@ -567,7 +590,7 @@ void Agent::settle_dead_tasks() {
     ExitStatus st;
     std::string exit_file = cfg_.state_dir + "/run/" + std::to_string(id) + ".exit";
     if (!read_exit_file(exit_file, &st)) {
-      kill_orphans(row);
+      kill_orphans(row, true);
       finish_row(&row, "lost", "ended while the agent was down, with no exit status recorded");
       continue;
     }

@@ -3,6 +3,7 @@ test, real bubbled / trainer_sim / task processes, and a teardown that kills eve
 test started (found by the private runtime dir in their environment) even when the test fails."""
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -60,10 +61,14 @@ class Env:
                    lambda: os.path.exists(os.path.join(self.runtime, f"{job}.{rank}.sock")))
         return p
 
-    def start_agent(self, *args, metrics="0"):
+    def start_agent(self, *args, metrics="0", max_fds=None):
         assert self.agent is None or self.agent.poll() is not None
+        kw = {}
+        if max_fds:
+            kw["preexec_fn"] = lambda: resource.setrlimit(resource.RLIMIT_NOFILE,
+                                                          (max_fds, max_fds))
         self.agent = self.spawn([BUBBLED, "--socket", self.socket, "--state-dir", self.state,
-                                 "--metrics-port", metrics, *args], "agent.log")
+                                 "--metrics-port", metrics, *args], "agent.log", **kw)
         wait_until("the agent's socket", lambda: self.ctl_ok("status"))
         return self.agent
 

@@ -192,3 +192,18 @@ def test_logs_follow_prints_what_the_task_writes_until_it_ends(env):
     assert follow.returncode == 0, err
     assert out.splitlines() == ["line2", "line3", "line4"]
     assert env.task(tid)["state"] == "finished"
+
+
+def test_what_a_task_leaves_running_in_its_process_group_ends_with_it(env):
+    """A launched task ends with its main process: a background job it left behind (here one
+    that ignores SIGTERM) is killed, not left to run on unsupervised."""
+    env.trainer("j", 0)
+    env.start_agent()
+    pidfile = os.path.join(env.root, "background.pid")
+    tid = env.submit("/bin/sh", "-c",
+                     f"(trap '' TERM; exec sleep 300) & echo $! > {pidfile}; exit 0")
+    t = env.wait_state(tid, ("finished", "failed", "killed", "lost"))
+    assert t["state"] == "finished", t
+    background = int(open(pidfile).read())
+    wait_until("the task's background job to be killed", lambda: _gone(background))
+    assert "it ended; killed what was left of its process group" in env.log_tail()

@@ -1,5 +1,7 @@
 """The Prometheus endpoint answers on loopback and its counters move."""
 import re
+import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -56,3 +58,25 @@ def test_metrics_endpoint_answers_and_counters_move(env):
 def test_metrics_can_be_turned_off(env):
     env.start_agent(metrics="off")
     assert env.status()["metrics_port"] == 0
+
+
+def test_idle_metrics_connections_cannot_use_up_the_agents_descriptors(env):
+    """The metrics port is open to every local user. Connections that never send a request are
+    capped and closed after a deadline: the agent keeps the descriptors it needs to serve its
+    clients and launch tasks."""
+    env.trainer("j", 0)
+    env.start_agent(max_fds=96)
+    port = env.status()["metrics_port"]
+    idle = [socket.create_connection(("127.0.0.1", port), timeout=20) for _ in range(150)]
+    # Beyond the cap the agent hangs up at once; the rest at their deadline (5 s).
+    start = time.monotonic()
+    for s in idle:
+        s.settimeout(30)
+        assert s.recv(1) == b"", "an idle connection got data"
+        s.close()
+    assert time.monotonic() - start < 25
+    # Meanwhile and after, the agent served its clients and launches tasks.
+    assert env.ctl_ok("status")
+    tid = env.submit(TASK_GOOD, "5")
+    assert env.wait_state(tid, ("finished", "failed", "killed", "lost"))["state"] == "finished"
+    assert value(scrape(port), "bubble_hubs") == 1

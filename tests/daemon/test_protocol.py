@@ -4,10 +4,11 @@ import random
 import socket
 import struct
 import subprocess
+import time
 
 import pytest
 
-from conftest import AGENT_SCHEMA
+from conftest import AGENT_SCHEMA, wait_until
 
 
 def encode(text, type_name="Request"):
@@ -148,3 +149,29 @@ def test_random_frames_never_crash_the_agent(agent):
         s.close()
     assert agent.agent.poll() is None, "the agent died"
     assert agent.ctl_ok("status")
+
+
+def test_a_client_that_never_reads_its_replies_is_closed(env):
+    """Asking and never reading would make the agent hold every reply in memory: past a bound
+    (twice the largest frame) the agent hangs up on the client, and serves the others."""
+    env.trainer("j", 0)
+    env.start_agent()
+    wait_until("a few hundred bubbles in the hub's event log",
+               lambda: env.hub("j:0")["bubbles"] >= 300)
+    s = connect(env)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # replies pile up in the agent
+    s.sendall(frame(encode(HELLO)))
+    batch = frame(encode("(id = 2, events = (seconds = 1e6))")) * 200
+    sent, closed = 0, False
+    deadline = time.monotonic() + 120
+    while not closed and time.monotonic() < deadline:
+        try:
+            s.sendall(batch)
+            sent += 200
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+    s.close()
+    assert closed, f"still connected after {sent} unread replies"
+    wait_until("the agent to say why it hung up", lambda: "unread" in env.log_tail())
+    assert env.agent.poll() is None, "the agent died"
+    assert env.ctl_ok("status")
