@@ -226,13 +226,14 @@ bool Store::insert_action(const ActionRow& a) {
   return true;
 }
 
-std::vector<ActionRow> Store::load_actions(uint32_t limit) {
+std::vector<ActionRow> Store::load_actions(uint32_t limit, uint32_t most) {
+  if (limit == 0 || limit > most) limit = most;
   std::vector<ActionRow> out;
   Stmt s{prepare(
       "SELECT at_ms, task, pid, hub, action, detail FROM "
       "(SELECT * FROM actions ORDER BY id DESC LIMIT ?) ORDER BY id")};
   if (!s.st) return out;
-  sqlite3_bind_int64(s.st, 1, limit ? static_cast<int64_t>(limit) : -1);
+  sqlite3_bind_int64(s.st, 1, static_cast<int64_t>(limit));
   while (sqlite3_step(s.st) == SQLITE_ROW) {
     ActionRow a;
     a.at_ms = sqlite3_column_int64(s.st, 0);

@@ -28,8 +28,11 @@ class Store {
   // Every task, oldest first.
   std::vector<TaskRow> load_tasks();
   bool insert_action(const ActionRow& action);
-  // The newest `limit` actions (0 = all), oldest first.
-  std::vector<ActionRow> load_actions(uint32_t limit);
+  // The newest `limit` actions (0 = all), oldest first, never more than `most`: the table is kept
+  // whole, and a reply must stay well inside one control frame (a row is at most a few hundred
+  // bytes).
+  static constexpr uint32_t kMostActionsLoaded = 10000;
+  std::vector<ActionRow> load_actions(uint32_t limit, uint32_t most = kMostActionsLoaded);
   uint64_t count_actions();
 
   std::string get_meta(const std::string& key);

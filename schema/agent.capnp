@@ -27,7 +27,7 @@ struct Request {
     drain @6 :DrainRequest;
     logs @7 :LogsRequest;
     events @8 :EventsRequest;  # the hubs' event logs, for trace and timeline
-    actions @9 :UInt32;        # the last N enforcement actions (0 = all kept)
+    actions @9 :UInt32;        # the last N enforcement actions (0 = all kept, at most 10000)
   }
 }
 

@@ -231,6 +231,20 @@ TEST_CASE("store_keeps_tasks_and_actions_across_reopen") {
     CHECK(rows[0].spec.mem_need == 5 * kMiB);
     CHECK(s.load_actions(0).size() == 1);
     CHECK(s.count_actions() == 1);
+    // "All" and any larger count stop at the bound, keeping the newest.
+    for (const char* what : {"continue", "kill"}) {
+      ActionRow more;
+      more.task = id;
+      more.action = what;
+      REQUIRE(s.insert_action(more));
+    }
+    auto newest = s.load_actions(0, 2);
+    REQUIRE(newest.size() == 2);
+    CHECK(newest[0].action == "continue");
+    CHECK(newest[1].action == "kill");
+    CHECK(s.load_actions(5, 2).size() == 2);
+    CHECK(s.load_actions(1, 2).size() == 1);
+    CHECK(s.load_actions(0).size() == 3);
   }
   REQUIRE(system((std::string("rm -rf ") + dir).c_str()) == 0);
 }
