@@ -882,8 +882,10 @@ void Trainer::attach_task(Conn& c, const void* raw) {
                                      "parent of it");
     const bb_status ps = shm::pidfd_open_pid(cred.pid, &fd, &why);
     if (ps != BB_OK)
-      return reject(ps == BB_E_UNSUPPORTED ? ps : BB_E_PERMISSION, "cannot watch the process that connected (" + why + "): a task must "
-                        "attach from the process that connected to the hub, and stay alive");
+      return reject(ps == BB_E_UNSUPPORTED ? ps : BB_E_PERMISSION,
+                    "cannot watch the process that connected (" + why +
+                        "): a task must attach from the process that connected to the hub, "
+                        "and stay alive");
     pidfd.reset(fd);
   }
   Slot& s = slots_[i];
