@@ -123,7 +123,7 @@ print("start latency = bubble begin to the task running; pause latency = bubble 
 print(f"The p99s count every start and pause, also those of a task that was not on a core when its "
       f"bubble began or ended: here {stages} trainers, 5 side tasks and the agent share "
       f"{os.cpu_count()} cores; where they outnumber the cores, a p99 of milliseconds is a task "
-      f"waiting for a core (the medians are the runtime's own latency).")
+      f"waiting for a core (the medians show the usual case).")
 if tot["bubbles"] == 0 or tot["task_ns_in_bubbles"] == 0:
     sys.exit("demo failed: no bubble was harvested")
 PY
