@@ -1427,7 +1427,6 @@ void Trainer::grant_on_reclaim(uint32_t i, bool died) {
     if (revoked) revokes_acked_.fetch_add(1, std::memory_order_release);
     return;
   }
-  if (!s.pidfd) return release_grant(i, false);  // no way to tell; see docs/GRANTS.md
   // A task that says it never mapped a host or cuda-vmm grant is believed: if it lied, it keeps
   // only memory of its own (the range gets new memory when granted again). A cuda-ipc handle
   // sits in the hub, readable and openable without a word, so that case is never believed.
