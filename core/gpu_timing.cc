@@ -12,6 +12,7 @@
 
 #include "core/clock.h"
 #include "core/cuda_driver.h"
+#include "core/thread.h"
 #include "shm/futex.h"
 
 namespace bb::core {
@@ -166,7 +167,7 @@ bb_status StreamTimingImpl::create(const CudaDriver& drv, const StreamTimingOpti
     }
   }
   t->ring_.resize(opts.marks);
-  t->watcher_ = std::thread([p = t.get()] { p->watch(); });
+  t->watcher_ = start_library_thread([p = t.get()] { p->watch(); });
   *out = std::move(t);
   return BB_OK;
 }

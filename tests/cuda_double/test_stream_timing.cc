@@ -147,6 +147,20 @@ TEST_CASE("stream_bubble_starts_the_task_when_the_gpu_reaches_it_not_when_the_ho
   INFO(dbl.violation_text());
 }
 
+// The watcher thread, like the hub's service thread, leaves the process's signals to the
+// application's threads.
+TEST_CASE("the_stream_watcher_leaves_the_processs_signals_to_the_application") {
+  Double dbl;
+  RuntimeDir rt;
+  const std::string job = "sw-" + std::to_string(getpid());
+  Hub hub(rt, job.c_str());
+  const auto before = bbtest::thread_ids();
+  Timing timing(hub.trainer);
+  size_t started = 0;
+  CHECK(bbtest::misplaced_signal_masks(before, &started) == "");
+  CHECK(started == 1);
+}
+
 TEST_CASE("stream_marks_never_wait_for_a_gpu_that_lags_behind") {
   Double dbl;
   RuntimeDir rt;

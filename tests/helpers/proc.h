@@ -167,4 +167,53 @@ inline char proc_state(pid_t pid) {
   return paren && paren[1] == ' ' ? paren[2] : 0;
 }
 
+// The ids of this process's threads.
+inline std::set<pid_t> thread_ids() {
+  std::set<pid_t> out;
+  for (auto& name : list_dir("/proc/self/task")) out.insert(pid_t(std::atoi(name.c_str())));
+  return out;
+}
+
+// Whether the thread tid of this process blocks the signal sig (its SigBlk mask, the one the
+// kernel consults when it picks the thread that takes a signal sent to the process).
+inline bool thread_blocks(pid_t tid, int sig) {
+  char path[64];
+  std::snprintf(path, sizeof path, "/proc/self/task/%d/status", int(tid));
+  FILE* f = std::fopen(path, "re");
+  if (!f) throw std::runtime_error(std::string("cannot read ") + path);
+  char line[256];
+  unsigned long long mask = 0;
+  bool found = false;
+  while (!found && std::fgets(line, sizeof line, f))
+    found = std::sscanf(line, "SigBlk: %llx", &mask) == 1;
+  std::fclose(f);
+  if (!found) throw std::runtime_error(std::string("no SigBlk line in ") + path);
+  return (mask >> (sig - 1)) & 1;
+}
+
+// What is wrong with the signal masks of the threads started since `before` was taken: each must
+// block the asynchronous signals (so a signal sent to the process reaches the application's own
+// threads) and leave a fault's signals open. "" when all is well; *started counts those threads.
+// A new thread starts with every signal blocked and sets the mask it was made with a moment later
+// (glibc), so this looks again for up to 2 s before it answers.
+inline std::string misplaced_signal_masks(const std::set<pid_t>& before, size_t* started) {
+  std::string wrong;
+  eventually([&] {
+    wrong.clear();
+    *started = 0;
+    for (pid_t tid : thread_ids()) {
+      if (before.count(tid)) continue;
+      ++*started;
+      for (int sig : {SIGTERM, SIGINT, SIGHUP, SIGUSR1, SIGUSR2, SIGCHLD, SIGALRM, SIGPIPE})
+        if (!thread_blocks(tid, sig))
+          wrong += "thread " + std::to_string(tid) + " takes " + strsignal(sig) + "; ";
+      for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL})
+        if (thread_blocks(tid, sig))
+          wrong += "thread " + std::to_string(tid) + " blocks " + strsignal(sig) + "; ";
+    }
+    return wrong.empty();
+  }, 2000);
+  return wrong;
+}
+
 }  // namespace bbtest

@@ -2,6 +2,8 @@
 // child processes, cooperating through a real hub.
 #include <bubble/bubble.h>
 #include <doctest/doctest.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -33,6 +35,18 @@ std::vector<std::string> task_args(const std::string& job, const std::string& na
 }
 
 }  // namespace
+
+// A signal sent to the trainer's process is the application's: it must reach the application's
+// threads, never the hub's service thread, and opening the hub leaves the caller's mask as it was.
+TEST_CASE("the_hubs_thread_leaves_the_processs_signals_to_the_application") {
+  RuntimeDir dir;
+  const auto before = bbtest::thread_ids();
+  Trainer t("sig");
+  size_t started = 0;
+  CHECK(bbtest::misplaced_signal_masks(before, &started) == "");
+  CHECK(started == 1);
+  CHECK_FALSE(bbtest::thread_blocks(pid_t(syscall(SYS_gettid)), SIGTERM));
+}
 
 TEST_CASE("start_pause_stop_cycle") {
   RuntimeDir dir;
