@@ -167,7 +167,7 @@ bb_status StreamTimingImpl::create(const CudaDriver& drv, const StreamTimingOpti
     }
   }
   t->ring_.resize(opts.marks);
-  t->watcher_ = start_library_thread([p = t.get()] { p->watch(); });
+  t->watcher_ = start_library_thread("bb-stream", [p = t.get()] { p->watch(); });
   *out = std::move(t);
   return BB_OK;
 }

@@ -8,6 +8,7 @@
 // crash handler.
 #pragma once
 
+#include <pthread.h>
 #include <signal.h>
 
 #include <thread>
@@ -15,11 +16,12 @@
 
 namespace bb::core {
 
-// A std::thread running fn with the asynchronous signals blocked from its first instruction (the
-// mask is inherited; the caller's own mask is restored before returning, also when the thread
-// cannot be made, which throws std::system_error like std::thread).
+// A std::thread named `name` (at most 15 characters; shown by ps, top and debuggers) running fn
+// with the asynchronous signals blocked from its first instruction (the mask is inherited; the
+// caller's own mask is restored before returning, also when the thread cannot be made, which
+// throws std::system_error like std::thread).
 template <class F>
-std::thread start_library_thread(F&& fn) {
+std::thread start_library_thread(const char* name, F&& fn) {
   sigset_t quiet, old;
   sigfillset(&quiet);
   for (int sig : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGTRAP, SIGSYS})
@@ -27,7 +29,10 @@ std::thread start_library_thread(F&& fn) {
   pthread_sigmask(SIG_BLOCK, &quiet, &old);
   std::thread t;
   try {
-    t = std::thread(std::forward<F>(fn));
+    t = std::thread([name, fn = std::forward<F>(fn)]() mutable {
+      pthread_setname_np(pthread_self(), name);
+      fn();
+    });
   } catch (...) {
     pthread_sigmask(SIG_SETMASK, &old, nullptr);
     throw;

@@ -218,7 +218,7 @@ bb_status Trainer::init(const char* job_id, uint32_t rank, const bb_trainer_opti
   wake_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_fd_) return fail(BB_E_SYSTEM, "eventfd() failed: %s", std::strerror(errno));
   try {
-    service_ = start_library_thread([this] { serve(); });
+    service_ = start_library_thread("bb-hub", [this] { serve(); });
   } catch (const std::exception& e) {
     return fail(BB_E_SYSTEM, "cannot start the hub service thread: %s", e.what());
   }
