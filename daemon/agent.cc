@@ -59,6 +59,9 @@ std::string Agent::start(uv_loop_t* loop) {
   }
   std::string e = store_.open(cfg_.state_dir + "/bubbled.db");
   if (!e.empty()) return e;
+  prune_timer_ = new uv_timer_t;
+  uv_timer_init(loop_, prune_timer_);
+  prune_timer_->data = this;
   readopt_tasks();
   e = start_metrics();
   if (!e.empty()) return e;
@@ -67,6 +70,7 @@ std::string Agent::start(uv_loop_t* loop) {
   e = start_hub_watch();
   if (!e.empty()) return e;
   settle_dead_tasks();
+  prune_history();  // also when --keep-ended was lowered since the last run
   schedule();
   update_timers();
   agent_log("serving %s; hubs in %s; state in %s; metrics %s", cfg_.socket_path.c_str(),
@@ -93,7 +97,7 @@ void Agent::shutdown() {
     close_and_delete(dir_watch_);
     dir_watch_ = nullptr;
   }
-  for (uv_timer_t** t : {&tick_, &retry_timer_}) {
+  for (uv_timer_t** t : {&tick_, &retry_timer_, &prune_timer_}) {
     if (*t) {
       uv_timer_stop(*t);
       close_and_delete(*t);

@@ -34,6 +34,7 @@ struct AgentConfig {
   uint64_t sample_interval_ns = 100'000'000;  // event/metrics sampling while hubs live
   uint64_t stop_timeout_ns = 5'000'000'000;   // graceful stop -> SIGTERM -> SIGKILL
   uint32_t max_attempts = 10;                 // launches per task (re-placement included)
+  uint32_t keep_ended = 10000;                // ended tasks kept in the records, newest first
   std::map<std::string, int> hub_gpu;         // JOB:RANK -> device; default: the rank
   std::string self_exe;                       // for the launch wrapper
   bool verbose = false;
@@ -149,6 +150,9 @@ class Agent {
               const std::string& detail);
   void save(const TaskRow& row);
   void finish_row(TaskRow* row, const std::string& state, const std::string& message);
+  // Deletes the oldest ended tasks beyond cfg_.keep_ended (records, actions, logs). Runs from its
+  // own timer, never inside a walk over tasks_.
+  void prune_history();
   LiveTask* live(int64_t id);
   void release_live(int64_t id);
 
@@ -159,6 +163,7 @@ class Agent {
  public:
   // Counters for metrics.
   uint64_t protocol_errors_ = 0, refused_clients_ = 0, submitted_ = 0, launches_ = 0;
+  uint64_t pruned_ = 0;  // ended tasks deleted from the records since the agent started
   std::map<std::string, uint64_t> ended_by_state_;
   std::map<std::string, uint64_t> actions_by_kind_;
   uint64_t metrics_requests_ = 0;
@@ -186,6 +191,7 @@ class Agent {
   uv_timer_t* tick_ = nullptr;
   uint64_t tick_interval_ = 0;
   uv_timer_t* retry_timer_ = nullptr;
+  uv_timer_t* prune_timer_ = nullptr;
   int retry_round_ = 0;
 };
 

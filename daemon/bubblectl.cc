@@ -362,10 +362,12 @@ int cmd_status(Client& c, const std::vector<std::string>& args) {
     char buf[512];
     snprintf(buf, sizeof buf,
              "{\"agent_pid\":%d,\"version\":\"%s\",\"metrics_port\":%u,\"queued\":%u,"
-             "\"running\":%u,\"draining\":%s,\"actions\":%llu,\"hubs\":[",
+             "\"running\":%u,\"draining\":%s,\"actions\":%llu,\"pruned\":%llu,"
+             "\"keep_ended\":%u,\"hubs\":[",
              c.agent_pid(), json_escape(c.version()).c_str(), c.metrics_port(), st.getQueued(),
              st.getRunning(), st.getDraining() ? "true" : "false",
-             static_cast<unsigned long long>(st.getActions()));
+             static_cast<unsigned long long>(st.getActions()),
+             static_cast<unsigned long long>(st.getPruned()), st.getKeepEnded());
     std::string o = buf;
     bool first = true;
     for (auto h : st.getHubs()) {
@@ -394,6 +396,8 @@ int cmd_status(Client& c, const std::vector<std::string>& args) {
   printf("tasks: %u queued, %u running%s; %llu enforcement actions recorded\n", st.getQueued(),
          st.getRunning(), st.getDraining() ? "; DRAINING (bubblectl undrain)" : "",
          static_cast<unsigned long long>(st.getActions()));
+  printf("records: the newest %u ended tasks are kept; %llu older deleted\n", st.getKeepEnded(),
+         static_cast<unsigned long long>(st.getPruned()));
   if (st.getHubs().size() == 0) {
     puts("no hubs: no trainer has opened a hub in this runtime directory");
     return 0;

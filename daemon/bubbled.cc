@@ -32,6 +32,8 @@ const char kUsage[] =
     "  --stop-timeout-ms MS  graceful stop before SIGTERM, and SIGTERM before SIGKILL\n"
     "                        (default 5000)\n"
     "  --hub-gpu JOB:RANK=N  the GPU of a hub (default: its rank)\n"
+    "  --keep-ended N        ended tasks kept in the records, with their logs and actions;\n"
+    "                        older ones are deleted (default 10000)\n"
     "  --verbose             log more\n";
 
 bool parse_u64(const char* s, uint64_t* out) {
@@ -99,6 +101,11 @@ int main(int argc, char** argv) {
       if (a == "--sample-ms") cfg.sample_interval_ns = v * 1'000'000;
       if (a == "--stop-timeout-ms") cfg.stop_timeout_ns = v * 1'000'000;
       if (a == "--kill-after") cfg.enforce.kill_after = static_cast<uint32_t>(v);
+    } else if (a == "--keep-ended") {
+      const char* s = value();
+      if (!parse_u64(s, &v) || v == 0 || v > 100'000'000)
+        bad(std::string("--keep-ended ") + s + " must be a whole number from 1 to 100000000");
+      cfg.keep_ended = static_cast<uint32_t>(v);
     } else if (a == "--hub-gpu") {
       std::string s = value();
       size_t eq = s.rfind('=');

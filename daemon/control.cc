@@ -383,6 +383,8 @@ void handle(Conn* c, capnp::MessageReader& msg) {
       st.setRunning(running);
       st.setDraining(a->draining());
       st.setActions(a->store().count_actions());
+      st.setPruned(a->store().pruned_tasks());
+      st.setKeepEnded(a->config().keep_ended);
       break;
     }
     case proto::Request::CANCEL: {
@@ -411,7 +413,10 @@ void handle(Conn* c, capnp::MessageReader& msg) {
       int64_t tid = static_cast<int64_t>(l.getTask());
       if (!a->task(tid)) {
         send_error(c, id, proto::Error::Code::NOT_FOUND,
-                   "no task #" + std::to_string(tid) + ": see `bubblectl list --all`", false);
+                   "no task #" + std::to_string(tid) + ": see `bubblectl list --all` (the " +
+                       "agent keeps the newest " + std::to_string(a->config().keep_ended) +
+                       " ended tasks and their logs; bubbled --keep-ended)",
+                   false);
         return;
       }
       if (a->task(tid)->origin == "attached") {

@@ -2,6 +2,8 @@
 
 #include <time.h>
 
+#include <cstdlib>
+
 namespace bb::daemon {
 
 int64_t wall_ms() {
@@ -251,6 +253,55 @@ uint64_t Store::count_actions() {
   Stmt s{prepare("SELECT COUNT(*) FROM actions")};
   if (!s.st || sqlite3_step(s.st) != SQLITE_ROW) return 0;
   return static_cast<uint64_t>(sqlite3_column_int64(s.st, 0));
+}
+
+bool Store::delete_tasks(const std::vector<int64_t>& ids, uint64_t keep_actions) {
+  if (!exec("BEGIN IMMEDIATE;")) return false;
+  auto rollback = [this](const char* what) {
+    const bool r = fail(what);
+    const std::string e = error_;
+    exec("ROLLBACK;");
+    error_ = e;
+    return r;
+  };
+  {
+    Stmt task{prepare("DELETE FROM tasks WHERE id = ?")};
+    Stmt acts{prepare("DELETE FROM actions WHERE task = ?")};
+    if (!task.st || !acts.st) return rollback("prepare delete");
+    int64_t deleted = 0;
+    for (int64_t id : ids) {
+      for (sqlite3_stmt* st : {task.st, acts.st}) {
+        sqlite3_reset(st);
+        sqlite3_bind_int64(st, 1, id);
+        if (sqlite3_step(st) != SQLITE_DONE) return rollback("delete task");
+        if (st == task.st) deleted += sqlite3_changes(db_);
+      }
+    }
+    // The newest keep_actions stay (the OFFSET row is the newest of those that go).
+    Stmt trim{prepare("DELETE FROM actions WHERE id <= "
+                      "(SELECT id FROM actions ORDER BY id DESC LIMIT 1 OFFSET ?)")};
+    if (!trim.st) return rollback("prepare trim actions");
+    sqlite3_bind_int64(trim.st, 1, static_cast<int64_t>(keep_actions));
+    if (sqlite3_step(trim.st) != SQLITE_DONE) return rollback("trim actions");
+    Stmt count{prepare("INSERT INTO meta (key, value) VALUES ('pruned_tasks', ?) "
+                       "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + ?")};
+    if (!count.st) return rollback("prepare count pruned");
+    sqlite3_bind_int64(count.st, 1, deleted);
+    sqlite3_bind_int64(count.st, 2, deleted);
+    if (sqlite3_step(count.st) != SQLITE_DONE) return rollback("count pruned");
+  }
+  if (!exec("COMMIT;")) {
+    const std::string e = error_;
+    exec("ROLLBACK;");
+    error_ = e;
+    return false;
+  }
+  return true;
+}
+
+uint64_t Store::pruned_tasks() {
+  const std::string v = get_meta("pruned_tasks");
+  return v.empty() ? 0 : std::strtoull(v.c_str(), nullptr, 10);
 }
 
 std::string Store::get_meta(const std::string& key) {

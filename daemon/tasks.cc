@@ -36,6 +36,7 @@ struct TaskCallbacks {
     auto* lt = static_cast<LiveTask*>(t->data);
     lt->agent->on_stop_timer(lt);
   }
+  static void on_prune_timer(uv_timer_t* t) { static_cast<Agent*>(t->data)->prune_history(); }
 };
 
 LiveTask* Agent::live(int64_t id) {
@@ -92,6 +93,36 @@ void Agent::finish_row(TaskRow* row, const std::string& state, const std::string
   save(*row);
   agent_log("task #%lld %s: %s", static_cast<long long>(row->id), state.c_str(),
             message.c_str());
+  // The caller may be walking tasks_: the oldest records go from a timer, right after.
+  if (prune_timer_ && !closing_ && !uv_is_active(reinterpret_cast<uv_handle_t*>(prune_timer_)))
+    uv_timer_start(prune_timer_, TaskCallbacks::on_prune_timer, 0, 0);
+}
+
+void Agent::prune_history() {
+  std::vector<std::pair<int64_t, int64_t>> ended;  // (ended_at, id)
+  for (const auto& [id, row] : tasks_)
+    if (state_is_final(row.state) && !live(id)) ended.emplace_back(row.ended_at, id);
+  if (ended.size() <= cfg_.keep_ended) return;
+  const size_t drop = ended.size() - cfg_.keep_ended;
+  std::nth_element(ended.begin(), ended.begin() + static_cast<ptrdiff_t>(drop - 1), ended.end());
+  std::vector<int64_t> ids;
+  for (size_t i = 0; i < drop; ++i) ids.push_back(ended[i].second);
+  if (!store_.delete_tasks(ids)) {
+    // Kept in memory too, so the records and what the agent shows stay the same; tried again
+    // when the next task ends.
+    agent_log("cannot delete %zu old task records: %s (check the disk holding %s)", ids.size(),
+              store_.last_error().c_str(), cfg_.state_dir.c_str());
+    return;
+  }
+  for (int64_t id : ids) {
+    tasks_.erase(id);
+    unlink(log_path(id, false).c_str());
+    unlink(log_path(id, true).c_str());
+  }
+  pruned_ += ids.size();
+  if (cfg_.verbose)
+    agent_log("deleted the records and logs of %zu ended tasks beyond the newest %u", ids.size(),
+              cfg_.keep_ended);
 }
 
 std::string Agent::log_path(int64_t id, bool err) const {

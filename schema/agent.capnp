@@ -135,6 +135,8 @@ struct StatusReply {
   running @2 :UInt32;
   draining @3 :Bool;   # the agent launches no queued task
   actions @4 :UInt64;  # enforcement actions recorded
+  pruned @5 :UInt64;     # ended tasks deleted from the records (over the records' life)
+  keepEnded @6 :UInt32;  # how many ended tasks the agent keeps (bubbled --keep-ended)
 }
 
 struct DrainRequest {

@@ -5,7 +5,7 @@ import signal
 import sqlite3
 import subprocess
 
-from conftest import TASK_GOOD, wait_until
+from conftest import BUBBLED, TASK_GOOD, wait_until
 
 
 def gone(pid):
@@ -68,3 +68,68 @@ def test_agent_killed_and_restarted_keeps_everything(env):
     finally:
         stranger.kill()
         stranger.wait()
+
+
+def test_only_the_newest_ended_tasks_are_kept_with_their_logs_and_actions(env):
+    """A node agent runs for months: its records keep the newest --keep-ended ended tasks, and
+    the older ones go with their logs and actions. Queued and live tasks are never deleted, a
+    lowered bound applies at the next start, and ids are never handed out again."""
+    env.trainer("j", 0)
+    env.start_agent("--keep-ended", "2")
+    live = env.submit(TASK_GOOD, "0")
+    queued = env.submit("/bin/true", opts=("--hub", "nosuch:0"))
+    env.wait_state(live, "running")
+    cancelled = env.submit(TASK_GOOD, "0")
+    env.wait_state(cancelled, "running")
+    env.ctl("cancel", str(cancelled))
+    env.wait_state(cancelled, "cancelled")
+    acts = [line.split() for line in env.ctl("actions").stdout.splitlines()[1:]]
+    assert [a[4] for a in acts if a[1] == str(cancelled)] == ["cancel"], acts
+    ended = [cancelled]
+    for i in range(3):
+        tid = env.submit("/bin/sh", "-c", f"echo output-{i}")
+        env.wait_state(tid, "finished")
+        ended.append(tid)
+    logs = os.path.join(env.state, "logs")
+    wait_until("the two oldest ended tasks deleted",
+               lambda: set(env.tasks()) == {live, queued, ended[2], ended[3]})
+    for tid in ended[:2]:
+        assert not os.path.exists(os.path.join(logs, f"{tid}.out"))
+        assert not os.path.exists(os.path.join(logs, f"{tid}.err"))
+        r = env.ctl("logs", str(tid), check=False)
+        assert r.returncode != 0 and "keeps the newest 2 ended tasks" in r.stderr, r.stderr
+    assert env.ctl("logs", str(ended[3])).stdout.strip() == "output-2"
+    acts = [line.split() for line in env.ctl("actions").stdout.splitlines()[1:]]
+    assert not [a for a in acts if a[1] == str(cancelled)], acts
+    st = env.status()
+    assert st["pruned"] == 2 and st["keep_ended"] == 2, st
+    assert "records: the newest 2 ended tasks are kept; 2 older deleted" in env.ctl("status").stdout
+    db = sqlite3.connect(os.path.join(env.state, "bubbled.db"))
+    try:
+        ids = {r[0] for r in db.execute("SELECT id FROM tasks")}
+        assert ids == {live, queued, ended[2], ended[3]}
+        assert db.execute("SELECT COUNT(*) FROM actions WHERE task = ?", (cancelled,)).fetchone() \
+            == (0,)
+    finally:
+        db.close()
+
+    # A lower bound takes effect at the next start; the live and queued tasks stay.
+    env.kill_agent(signal.SIGTERM)
+    env.start_agent("--keep-ended", "1")
+    assert set(env.tasks()) == {live, queued, ended[3]}
+    assert env.status()["pruned"] == 3
+    assert not os.path.exists(os.path.join(logs, f"{ended[2]}.out"))
+    # Ids are never reused: a new task gets a fresh one.
+    fresh = env.submit("/bin/true")
+    assert fresh > max(ended)
+    env.wait_state(fresh, "finished")
+    wait_until("the older of the two ended tasks deleted",
+               lambda: set(env.tasks()) == {live, queued, fresh})
+    env.ctl("cancel", str(live))
+    env.wait_state(live, "cancelled")
+
+
+def test_keep_ended_must_be_a_positive_count(env):
+    r = subprocess.run([BUBBLED, "--keep-ended", "0"], capture_output=True, text=True, timeout=10)
+    assert r.returncode != 0
+    assert "--keep-ended 0 must be a whole number from 1 to 100000000" in r.stderr

@@ -249,6 +249,54 @@ TEST_CASE("store_keeps_tasks_and_actions_across_reopen") {
   REQUIRE(system((std::string("rm -rf ") + dir).c_str()) == 0);
 }
 
+TEST_CASE("store_deletes_tasks_with_their_actions_trims_actions_and_counts_what_went") {
+  char dir[] = "/tmp/bb-store-XXXXXX";
+  REQUIRE(mkdtemp(dir) != nullptr);
+  std::string path = std::string(dir) + "/db";
+  std::vector<int64_t> ids;
+  {
+    Store s;
+    REQUIRE(s.open(path).empty());
+    CHECK(s.pruned_tasks() == 0);
+    for (int i = 0; i < 4; ++i) {
+      TaskRow row;
+      row.spec.name = "t" + std::to_string(i);
+      REQUIRE(s.insert_task(&row));
+      ids.push_back(row.id);
+      for (const char* what : {"stop", "kill"}) {
+        ActionRow a;
+        a.task = row.id;
+        a.action = what;
+        REQUIRE(s.insert_action(a));
+      }
+    }
+    // Tasks 0 and 1 go with their actions; of the four actions left only the newest three stay.
+    REQUIRE(s.delete_tasks({ids[0], ids[1]}, 3));
+    CHECK(s.pruned_tasks() == 2);
+    auto rows = s.load_tasks();
+    REQUIRE(rows.size() == 2);
+    CHECK(rows[0].id == ids[2]);
+    CHECK(rows[1].id == ids[3]);
+    auto acts = s.load_actions(0);
+    REQUIRE(acts.size() == 3);
+    CHECK((acts[0].task == ids[2] && acts[0].action == "kill"));
+    CHECK((acts[2].task == ids[3] && acts[2].action == "kill"));
+    // Fewer actions than the bound: none trimmed; an id not there deletes and counts nothing.
+    REQUIRE(s.delete_tasks({ids[0]}, 100));
+    CHECK(s.load_actions(0).size() == 3);
+    CHECK(s.load_tasks().size() == 2);
+  }
+  {
+    Store s;  // all of it is on disk, and a new task never gets a deleted one's id
+    REQUIRE(s.open(path).empty());
+    CHECK(s.pruned_tasks() == 2);
+    TaskRow row;
+    REQUIRE(s.insert_task(&row));
+    CHECK(row.id > ids[3]);
+  }
+  REQUIRE(system((std::string("rm -rf ") + dir).c_str()) == 0);
+}
+
 TEST_CASE("process_identity_includes_start_time") {
   ProcStat st;
   REQUIRE(read_proc_stat(getpid(), &st));
