@@ -28,6 +28,9 @@ namespace bb::daemon {
 namespace {
 
 constexpr size_t kMaxClients = 128;
+// Of those, the ones from other uids (--allow-uid): they may watch, and must never be able to
+// take every connection from the agent's own user.
+constexpr size_t kMaxGuestClients = 32;
 constexpr uint64_t kPartialFrameTimeoutMs = 10'000;
 // Replies a client has not read yet, at most: one that asks and never reads would otherwise make
 // the agent hold every reply (an `events` or `list` reply can be megabytes) until it runs out of
@@ -626,6 +629,18 @@ void on_connection(uv_stream_t* server, int status) {
                    std::to_string(cred.uid),
                true);
     return;
+  }
+  if (cred.uid != getuid()) {
+    size_t guests = 0;
+    for (void* p : agent->clients_) guests += static_cast<Conn*>(p)->uid != getuid();
+    if (guests > kMaxGuestClients) {
+      agent->count_refused();
+      send_error(c, 0, proto::Error::Code::STATE,
+                 "the agent serves at most " + std::to_string(kMaxGuestClients) +
+                     " connections from users other than its own at once; close some and retry",
+                 true);
+      return;
+    }
   }
   if (agent->clients_.size() > kMaxClients) {
     send_error(c, 0, proto::Error::Code::STATE,

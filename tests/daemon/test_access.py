@@ -1,10 +1,13 @@
 """Only clients of the agent's own uid get in (unless allowed); the socket is created 0600."""
 import os
 import stat
+import struct
+import subprocess
+import sys
 
 import pytest
 
-from conftest import BUBBLECTL
+from conftest import AGENT_SCHEMA, BUBBLECTL
 
 NOBODY = 65534
 AS_NOBODY = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
@@ -82,3 +85,71 @@ def test_allowed_uid_watches_but_cannot_change_what_runs(rooted):
     assert "/bin/true" not in rows
     assert env.status()["draining"] is False
     env.ctl("cancel", str(tid))  # the owner still may
+
+
+# Run as the allowed uid: opens N connections, says hello on each, and tells how each was
+# answered; then holds them until its stdin closes.
+_GUEST = r"""
+import socket, struct, sys
+path, n = sys.argv[1], int(sys.argv[2])
+hello = bytes.fromhex(sys.argv[3])
+conns, counts, replies = [], {"guest_cap": 0}, set()
+for _ in range(n):
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(20)
+    s.connect(path)
+    conns.append(s)
+for s in conns:
+    try:
+        s.sendall(hello)
+    except OSError:
+        pass
+    data = b""
+    try:
+        while len(data) < 4 or len(data) < 4 + struct.unpack("<I", data[:4])[0]:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        pass
+    if b"users other than its own" in data:
+        counts["guest_cap"] += 1
+    else:
+        replies.add(data[4:].hex())
+print(len(conns) - counts["guest_cap"], counts["guest_cap"], " ".join(sorted(replies)), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_an_allowed_uid_cannot_take_every_connection_from_the_owner(rooted):
+    """An allowed uid may watch, but holding connections open must not lock the agent's own
+    user out: other uids get at most 32 of the 128 connections, and the rest are refused with
+    the reason."""
+    env = rooted
+    env.start_agent("--allow-uid", str(NOBODY))
+    open_up(env)
+    hello = subprocess.run(["capnp", "encode", AGENT_SCHEMA, "Request"],
+                           input=b'(id = 1, hello = (protocolVersion = 1, client = "guest"))',
+                           capture_output=True, check=True, timeout=60).stdout
+    frame = struct.pack("<I", len(hello)) + hello
+    guest = subprocess.Popen([*AS_NOBODY, sys.executable, "-c", _GUEST, env.socket, "60",
+                              frame.hex()], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        served, capped, *replies = guest.stdout.readline().split()
+        assert (int(served), int(capped)) == (32, 28)
+        # Every one served was answered as a client: a hello reply, the same for each.
+        assert len(replies) == 1, replies
+        reply = subprocess.run(["capnp", "decode", AGENT_SCHEMA, "Response"],
+                               input=bytes.fromhex(replies[0]), capture_output=True, check=True,
+                               timeout=60).stdout.decode()
+        assert "hello = (" in reply and "error" not in reply, reply
+        # The owner still gets in while the guest holds its 32.
+        assert env.status()["agent_pid"] == env.agent.pid
+    finally:
+        guest.stdin.close()
+        guest.wait(timeout=30)
+    # And the guest gets in again once its connections are gone.
+    r = env.ctl("list", check=False, prefix=AS_NOBODY)
+    assert r.returncode == 0, r.stderr
