@@ -18,6 +18,10 @@ std::vector<uint8_t> encode_frame(capnp::MessageBuilder& message) {
   return out;
 }
 
+void FrameReader::feed(const char* data, size_t len) {
+  buf_.insert(buf_.end(), data, data + len);
+}
+
 FrameReader::Result FrameReader::next(std::unique_ptr<capnp::MessageReader>* reader,
                                       std::string* error) {
   if (buf_.size() < 4) return Result::kNeedMore;

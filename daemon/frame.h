@@ -26,7 +26,7 @@ class FrameReader {
   enum class Result { kNeedMore, kFrame, kError };
 
   // Appends received bytes.
-  void feed(const char* data, size_t len) { buf_.insert(buf_.end(), data, data + len); }
+  void feed(const char* data, size_t len);
   // Cuts the next frame if one is complete. On kFrame, *reader holds the decoded message
   // (valid until the next call); on kError, *error says what is wrong with the stream.
   Result next(std::unique_ptr<capnp::MessageReader>* reader, std::string* error);
