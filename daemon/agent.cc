@@ -71,6 +71,7 @@ std::string Agent::start(uv_loop_t* loop) {
   if (!e.empty()) return e;
   settle_dead_tasks();
   prune_history();  // also when --keep-ended was lowered since the last run
+  sweep_logs();
   schedule();
   update_timers();
   agent_log("serving %s; hubs in %s; state in %s; metrics %s", cfg_.socket_path.c_str(),

@@ -23,6 +23,10 @@
 
 namespace bb::daemon {
 
+// How long after a launched task ended its process group is taken to be going down with it,
+// not a new task to adopt.
+constexpr int64_t kGroupEndingMs = 60'000;
+
 struct AgentConfig {
   std::string runtime_dir;  // hub sockets
   std::string socket_path;  // control socket
@@ -153,6 +157,9 @@ class Agent {
   // Deletes the oldest ended tasks beyond cfg_.keep_ended (records, actions, logs). Runs from its
   // own timer, never inside a walk over tasks_.
   void prune_history();
+  // Deletes log files whose task is not in the records: left by an agent that stopped between
+  // deleting old records and their logs. At start only.
+  void sweep_logs();
   LiveTask* live(int64_t id);
   void release_live(int64_t id);
 
@@ -164,6 +171,10 @@ class Agent {
   // Counters for metrics.
   uint64_t protocol_errors_ = 0, refused_clients_ = 0, submitted_ = 0, launches_ = 0;
   uint64_t pruned_ = 0;  // ended tasks deleted from the records since the agent started
+  uint32_t actions_since_trim_ = 0;
+  // Process groups of launched tasks that ended less than a minute ago and whose rows were
+  // deleted: adoptable() must still know them (pgid -> ended_at, Unix ms).
+  std::map<pid_t, int64_t> recent_groups_;
   std::map<std::string, uint64_t> ended_by_state_;
   std::map<std::string, uint64_t> actions_by_kind_;
   uint64_t metrics_requests_ = 0;

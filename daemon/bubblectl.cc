@@ -396,8 +396,9 @@ int cmd_status(Client& c, const std::vector<std::string>& args) {
   printf("tasks: %u queued, %u running%s; %llu enforcement actions recorded\n", st.getQueued(),
          st.getRunning(), st.getDraining() ? "; DRAINING (bubblectl undrain)" : "",
          static_cast<unsigned long long>(st.getActions()));
-  printf("records: the newest %u ended tasks are kept; %llu older deleted\n", st.getKeepEnded(),
-         static_cast<unsigned long long>(st.getPruned()));
+  if (st.getKeepEnded())  // 0: an agent from before retention, which keeps every task
+    printf("records: the newest %u ended tasks are kept; %llu older deleted\n",
+           st.getKeepEnded(), static_cast<unsigned long long>(st.getPruned()));
   if (st.getHubs().size() == 0) {
     puts("no hubs: no trainer has opened a hub in this runtime directory");
     return 0;

@@ -53,6 +53,7 @@ struct Conn {
   bool closing = false;
   uid_t uid = 0;
   pid_t pid = 0;
+  bool admitted = false;  // passed the credential and connection-count checks
   // Set for a connection without a socket (ControlFeed): replies are appended here.
   std::vector<uint8_t>* sink = nullptr;
 };
@@ -630,10 +631,16 @@ void on_connection(uv_stream_t* server, int status) {
                true);
     return;
   }
+  // Only admitted connections count: the ones being refused (and closed once their reply is
+  // written, in a later loop turn) must not make room scarce for the next.
+  size_t admitted = 0, guests = 0;
+  for (void* p : agent->clients_) {
+    const Conn* o = static_cast<Conn*>(p);
+    admitted += o->admitted;
+    guests += o->admitted && o->uid != getuid();
+  }
   if (cred.uid != getuid()) {
-    size_t guests = 0;
-    for (void* p : agent->clients_) guests += static_cast<Conn*>(p)->uid != getuid();
-    if (guests > kMaxGuestClients) {
+    if (guests >= kMaxGuestClients) {
       agent->count_refused();
       send_error(c, 0, proto::Error::Code::STATE,
                  "the agent serves at most " + std::to_string(kMaxGuestClients) +
@@ -642,11 +649,12 @@ void on_connection(uv_stream_t* server, int status) {
       return;
     }
   }
-  if (agent->clients_.size() > kMaxClients) {
+  if (admitted >= kMaxClients) {
     send_error(c, 0, proto::Error::Code::STATE,
                "the agent has too many open connections; retry shortly", true);
     return;
   }
+  c->admitted = true;
   uv_read_start(
       reinterpret_cast<uv_stream_t*>(&c->pipe),
       [](uv_handle_t*, size_t suggested, uv_buf_t* buf) {
@@ -663,6 +671,7 @@ ControlFeed::ControlFeed(Agent* agent) {
   c->sink = &replies_;
   c->uid = getuid();
   c->pid = getpid();
+  c->admitted = true;
   agent->clients_.insert(c);
   conn_ = c;
 }

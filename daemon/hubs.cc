@@ -233,9 +233,10 @@ bool Agent::adoptable(pid_t pid) const {
   const int64_t now = wall_ms();
   for (const auto& [id, row] : tasks_)
     if (row.origin != "attached" && row.pid > 0 && ps.pgid == row.pid &&
-        (!state_is_final(row.state) || now - row.ended_at < 60'000))
+        (!state_is_final(row.state) || now - row.ended_at < kGroupEndingMs))
       return false;
-  return true;
+  auto recent = recent_groups_.find(ps.pgid);  // its row may be deleted already
+  return recent == recent_groups_.end() || now - recent->second >= kGroupEndingMs;
 }
 
 void Agent::reconcile_tasks(Hub* hub) {

@@ -63,6 +63,7 @@ CREATE TABLE IF NOT EXISTS tasks (
 CREATE TABLE IF NOT EXISTS actions (
   id INTEGER PRIMARY KEY AUTOINCREMENT, at_ms INTEGER NOT NULL, task INTEGER NOT NULL,
   pid INTEGER NOT NULL, hub TEXT NOT NULL, action TEXT NOT NULL, detail TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS actions_by_task ON actions (task);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 )sql";
 
@@ -277,12 +278,7 @@ bool Store::delete_tasks(const std::vector<int64_t>& ids, uint64_t keep_actions)
         if (st == task.st) deleted += sqlite3_changes(db_);
       }
     }
-    // The newest keep_actions stay (the OFFSET row is the newest of those that go).
-    Stmt trim{prepare("DELETE FROM actions WHERE id <= "
-                      "(SELECT id FROM actions ORDER BY id DESC LIMIT 1 OFFSET ?)")};
-    if (!trim.st) return rollback("prepare trim actions");
-    sqlite3_bind_int64(trim.st, 1, static_cast<int64_t>(keep_actions));
-    if (sqlite3_step(trim.st) != SQLITE_DONE) return rollback("trim actions");
+    if (!trim_actions(keep_actions)) return rollback("trim actions");
     Stmt count{prepare("INSERT INTO meta (key, value) VALUES ('pruned_tasks', ?) "
                        "ON CONFLICT(key) DO UPDATE SET value = CAST(value AS INTEGER) + ?")};
     if (!count.st) return rollback("prepare count pruned");
@@ -297,6 +293,15 @@ bool Store::delete_tasks(const std::vector<int64_t>& ids, uint64_t keep_actions)
     return false;
   }
   return true;
+}
+
+bool Store::trim_actions(uint64_t keep) {
+  // The newest `keep` stay (the OFFSET row is the newest of those that go).
+  Stmt trim{prepare("DELETE FROM actions WHERE id <= "
+                    "(SELECT id FROM actions ORDER BY id DESC LIMIT 1 OFFSET ?)")};
+  if (!trim.st) return false;
+  sqlite3_bind_int64(trim.st, 1, static_cast<int64_t>(keep));
+  return sqlite3_step(trim.st) == SQLITE_DONE || fail("trim actions");
 }
 
 uint64_t Store::pruned_tasks() {

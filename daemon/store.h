@@ -34,11 +34,14 @@ class Store {
   static constexpr uint32_t kMostActionsLoaded = 10000;
   std::vector<ActionRow> load_actions(uint32_t limit, uint32_t most = kMostActionsLoaded);
   uint64_t count_actions();
-  // Deletes the tasks `ids` and their actions, trims the actions to the newest `keep_actions`,
+  // Deletes the tasks `ids` and their actions, trims the actions to the newest `keep_actions`
+  // (a task that keeps running can add actions without end; record() trims them as well),
   // and adds the number of tasks deleted to the count pruned_tasks() reports: all in one transaction,
   // so either all of it is on disk when this returns true, or none of it.
   static constexpr uint64_t kMostActionsKept = 100000;
   bool delete_tasks(const std::vector<int64_t>& ids, uint64_t keep_actions = kMostActionsKept);
+  // Deletes all but the newest `keep` actions, of any task.
+  bool trim_actions(uint64_t keep = kMostActionsKept);
   // Ended tasks deleted from these records over their whole life.
   uint64_t pruned_tasks();
 

@@ -4,6 +4,7 @@
 #include "daemon/agent.h"
 #include "daemon/placement.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -81,6 +82,9 @@ void Agent::record(const TaskRow* row, pid_t pid, const std::string& hub,
   if (!store_.insert_action(a)) {
     agent_log("cannot record action: %s", store_.last_error().c_str());
   }
+  // A task that keeps misbehaving without ever ending adds actions without end: trim them now
+  // and then, not only when old tasks go.
+  if (++actions_since_trim_ >= 1000 && store_.trim_actions()) actions_since_trim_ = 0;
   agent_log("%s task #%lld (pid %d) on %s: %s", action.c_str(),
             static_cast<long long>(a.task), pid, hub.c_str(), detail.c_str());
 }
@@ -96,6 +100,24 @@ void Agent::finish_row(TaskRow* row, const std::string& state, const std::string
   // The caller may be walking tasks_: the oldest records go from a timer, right after.
   if (prune_timer_ && !closing_ && !uv_is_active(reinterpret_cast<uv_handle_t*>(prune_timer_)))
     uv_timer_start(prune_timer_, TaskCallbacks::on_prune_timer, 0, 0);
+}
+
+void Agent::sweep_logs() {
+  const std::string dir = cfg_.state_dir + "/logs";
+  DIR* d = opendir(dir.c_str());
+  if (!d) return;
+  std::vector<std::string> orphans;
+  while (dirent* e = readdir(d)) {
+    char* end = nullptr;
+    const long long id = strtoll(e->d_name, &end, 10);
+    if (end == e->d_name || id <= 0 || (strcmp(end, ".out") != 0 && strcmp(end, ".err") != 0))
+      continue;  // not a task's log
+    if (!tasks_.count(id)) orphans.push_back(dir + "/" + e->d_name);
+  }
+  closedir(d);
+  for (const std::string& f : orphans) unlink(f.c_str());
+  if (!orphans.empty())
+    agent_log("deleted %zu log files of tasks no longer in the records", orphans.size());
 }
 
 void Agent::prune_history() {
@@ -114,7 +136,13 @@ void Agent::prune_history() {
               store_.last_error().c_str(), cfg_.state_dir.c_str());
     return;
   }
+  const int64_t now = wall_ms();
+  for (auto it = recent_groups_.begin(); it != recent_groups_.end();)
+    it = now - it->second >= kGroupEndingMs ? recent_groups_.erase(it) : std::next(it);
   for (int64_t id : ids) {
+    const TaskRow& row = tasks_.at(id);
+    if (row.origin != "attached" && row.pid > 0 && now - row.ended_at < kGroupEndingMs)
+      recent_groups_[row.pid] = row.ended_at;
     tasks_.erase(id);
     unlink(log_path(id, false).c_str());
     unlink(log_path(id, true).c_str());

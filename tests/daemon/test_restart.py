@@ -75,7 +75,8 @@ def test_only_the_newest_ended_tasks_are_kept_with_their_logs_and_actions(env):
     the older ones go with their logs and actions. Queued and live tasks are never deleted, a
     lowered bound applies at the next start, and ids are never handed out again."""
     env.trainer("j", 0)
-    env.start_agent("--keep-ended", "2")
+    # A generous grace: a late ack on a busy machine must not add actions or kill `live`.
+    env.start_agent("--keep-ended", "2", "--grace-ms", "500")
     live = env.submit(TASK_GOOD, "0")
     queued = env.submit("/bin/true", opts=("--hub", "nosuch:0"))
     env.wait_state(live, "running")
@@ -113,12 +114,20 @@ def test_only_the_newest_ended_tasks_are_kept_with_their_logs_and_actions(env):
     finally:
         db.close()
 
-    # A lower bound takes effect at the next start; the live and queued tasks stay.
+    # A lower bound takes effect at the next start; the live and queued tasks stay. Log files
+    # of tasks not in the records (an agent stopped between the two deletions) go then too,
+    # and nothing else in the directory.
     env.kill_agent(signal.SIGTERM)
-    env.start_agent("--keep-ended", "1")
+    for name in ("99999.out", "99999.err", "notes.txt"):
+        with open(os.path.join(logs, name), "w") as f:
+            f.write("x")
+    env.start_agent("--keep-ended", "1", "--grace-ms", "500")
     assert set(env.tasks()) == {live, queued, ended[3]}
     assert env.status()["pruned"] == 3
     assert not os.path.exists(os.path.join(logs, f"{ended[2]}.out"))
+    assert not os.path.exists(os.path.join(logs, "99999.out"))
+    assert not os.path.exists(os.path.join(logs, "99999.err"))
+    assert os.path.exists(os.path.join(logs, "notes.txt"))
     # Ids are never reused: a new task gets a fresh one.
     fresh = env.submit("/bin/true")
     assert fresh > max(ended)

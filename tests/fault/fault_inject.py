@@ -451,6 +451,13 @@ def told_trainer_gone(p, totals, what, strict):
               f"a task whose trainer {what} said {line!r}")
         totals.add("tasks told the trainer was gone")
         return
+    if not p.pump():
+        # Its output ended: it is on its way out (a death at its own point). The pipe closes
+        # before the process can be reaped, so wait for that rather than take it for alive.
+        try:
+            p.p.wait(timeout=DEADLINE_S)
+        except subprocess.TimeoutExpired:
+            pass
     if p.p.poll() is not None:
         return  # it died at its own point meanwhile
     # A task started in the trainer's last bubble must stop too: the runtime looks at its
