@@ -35,7 +35,8 @@ typedef struct bb_stream_timing_options_t {
 #define BB_STREAM_TIMING_OPTIONS_INIT {sizeof(bb_stream_timing_options_t), 0, 64u, 0u, 10000ull}
 BB_API void bb_stream_timing_options_init(bb_stream_timing_options_t *opts);
 
-/* Starts stream timing for a trainer: creates the events and the watcher thread. From then on
+/* Starts stream timing for a trainer: creates the events and the watcher thread ("bb-stream",
+ * which blocks asynchronous signals like the hub's service thread). From then on
  * the watcher thread is the trainer's bubble thread: do not call bb_bubble_begin/end on this
  * trainer yourself while it is open. opts may be NULL. Close it before bb_trainer_close. */
 BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_timing_options_t *opts,
