@@ -171,10 +171,6 @@ class Agent {
   // Counters for metrics.
   uint64_t protocol_errors_ = 0, refused_clients_ = 0, submitted_ = 0, launches_ = 0;
   uint64_t pruned_ = 0;  // ended tasks deleted from the records since the agent started
-  uint32_t actions_since_trim_ = 0;
-  // Process groups of launched tasks that ended less than a minute ago and whose rows were
-  // deleted: adoptable() must still know them (pgid -> ended_at, Unix ms).
-  std::map<pid_t, int64_t> recent_groups_;
   std::map<std::string, uint64_t> ended_by_state_;
   std::map<std::string, uint64_t> actions_by_kind_;
   uint64_t metrics_requests_ = 0;
@@ -203,6 +199,10 @@ class Agent {
   uint64_t tick_interval_ = 0;
   uv_timer_t* retry_timer_ = nullptr;
   uv_timer_t* prune_timer_ = nullptr;
+  uint32_t actions_since_trim_ = 0;
+  // Process groups of launched tasks that ended less than a minute ago and whose rows were
+  // deleted: adoptable() must still know them (pgid -> ended_at, Unix ms).
+  std::map<pid_t, int64_t> recent_groups_;
   int retry_round_ = 0;
 };
 

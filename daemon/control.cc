@@ -639,15 +639,13 @@ void on_connection(uv_stream_t* server, int status) {
     admitted += o->admitted;
     guests += o->admitted && o->uid != getuid();
   }
-  if (cred.uid != getuid()) {
-    if (guests >= kMaxGuestClients) {
-      agent->count_refused();
-      send_error(c, 0, proto::Error::Code::STATE,
-                 "the agent serves at most " + std::to_string(kMaxGuestClients) +
-                     " connections from users other than its own at once; close some and retry",
-                 true);
-      return;
-    }
+  if (cred.uid != getuid() && guests >= kMaxGuestClients) {
+    agent->count_refused();
+    send_error(c, 0, proto::Error::Code::STATE,
+               "the agent serves at most " + std::to_string(kMaxGuestClients) +
+                   " connections from users other than its own at once; close some and retry",
+               true);
+    return;
   }
   if (admitted >= kMaxClients) {
     send_error(c, 0, proto::Error::Code::STATE,

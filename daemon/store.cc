@@ -286,13 +286,7 @@ bool Store::delete_tasks(const std::vector<int64_t>& ids, uint64_t keep_actions)
     sqlite3_bind_int64(count.st, 2, deleted);
     if (sqlite3_step(count.st) != SQLITE_DONE) return rollback("count pruned");
   }
-  if (!exec("COMMIT;")) {
-    const std::string e = error_;
-    exec("ROLLBACK;");
-    error_ = e;
-    return false;
-  }
-  return true;
+  return exec("COMMIT;") || rollback("commit");
 }
 
 bool Store::trim_actions(uint64_t keep) {

@@ -15,13 +15,18 @@
 
 namespace bbtest {
 
-inline int connect_hub(const std::string& path) {
-  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
+inline sockaddr_un hub_address(const std::string& path) {
   sockaddr_un a{};
   a.sun_family = AF_UNIX;
   std::snprintf(a.sun_path, sizeof a.sun_path, "%s", path.c_str());
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+  return a;
+}
+
+inline int connect_hub(const std::string& path) {
+  int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (fd < 0) return -1;
+  const sockaddr_un a = hub_address(path);
+  if (connect(fd, reinterpret_cast<const sockaddr*>(&a), sizeof a) != 0) {
     close(fd);
     return -1;
   }
