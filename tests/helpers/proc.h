@@ -12,10 +12,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -36,15 +38,24 @@ inline std::set<std::string> list_dir(const std::string& dir) {
   return out;
 }
 
-// A child process with its stdout on a pipe. The destructor SIGKILLs and reaps it.
+// A child process with its stdout on a pipe (and, if asked, its stdin on another, for
+// write_stdin). The destructor SIGKILLs and reaps it.
 class Child {
  public:
-  explicit Child(const std::vector<std::string>& argv) {
-    int p[2];
+  explicit Child(const std::vector<std::string>& argv, bool with_stdin = false) {
+    int p[2], in[2] = {-1, -1};
     if (pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe2");
+    // A child that exited makes a write to its stdin fail with EPIPE, not kill the test.
+    if (with_stdin) ::signal(SIGPIPE, SIG_IGN);
+    if (with_stdin && pipe2(in, O_CLOEXEC) != 0) {
+      close(p[0]);
+      close(p[1]);
+      throw std::runtime_error("pipe2");
+    }
     posix_spawn_file_actions_t fa;
     posix_spawn_file_actions_init(&fa);
     posix_spawn_file_actions_adddup2(&fa, p[1], 1);
+    if (with_stdin) posix_spawn_file_actions_adddup2(&fa, in[0], 0);
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
@@ -52,17 +63,35 @@ class Child {
     posix_spawn_file_actions_destroy(&fa);
     close(p[1]);
     out_ = p[0];
+    if (with_stdin) {
+      close(in[0]);
+      in_ = in[1];
+    }
     if (rc != 0) {
       close(out_);
+      if (in_ >= 0) close(in_);
       throw std::runtime_error("posix_spawn " + argv[0] + ": " + std::strerror(rc));
     }
   }
   ~Child() {
+    if (in_ >= 0) close(in_);
     if (pid_ > 0 && !exited_) {
       kill(pid_, SIGKILL);
       waitpid(pid_, nullptr, 0);
     }
     if (out_ >= 0) close(out_);
+  }
+  // Writes text to the child's stdin (a Child made with_stdin); false if it could not.
+  bool write_stdin(const std::string& text) {
+    if (in_ < 0) return false;
+    size_t done = 0;
+    while (done < text.size()) {
+      const ssize_t n = write(in_, text.data() + done, text.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return false;
+      done += size_t(n);
+    }
+    return true;
   }
   Child(const Child&) = delete;
   Child& operator=(const Child&) = delete;
@@ -94,6 +123,8 @@ class Child {
   const std::vector<std::string>& lines() const { return lines_; }
 
   void signal(int sig) { kill(pid_, sig); }
+  // Its threads' states and signal masks (describe_process), for a wait that failed.
+  std::string describe() const;
 
   // Waits up to timeout_ms for the exit; returns the wait status or -1 on timeout.
   int wait_exit(int timeout_ms = 10000) {
@@ -113,6 +144,7 @@ class Child {
  private:
   pid_t pid_ = -1;
   int out_ = -1;
+  int in_ = -1;
   bool exited_ = false;
   std::string buf_;
   std::vector<std::string> lines_;
@@ -165,6 +197,49 @@ inline char proc_state(pid_t pid) {
   buf[n] = 0;
   const char* paren = std::strrchr(buf, ')');  // the name may hold spaces and parentheses
   return paren && paren[1] == ' ' ? paren[2] : 0;
+}
+
+// What each thread of process pid is doing, for a test that waited on it in vain: its name, state
+// letter, the kernel function it sleeps in (wchan), its pending, blocked and caught signal masks,
+// and the process's shared pending mask. A stopped process, a signal sitting blocked and a thread
+// asleep in a lock read differently here.
+inline std::string describe_process(pid_t pid) {
+  auto read_file = [](const std::string& path) {
+    std::string out;
+    if (FILE* f = std::fopen(path.c_str(), "re")) {
+      char buf[4096];
+      size_t n;
+      while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) out.append(buf, n);
+      std::fclose(f);
+    }
+    while (!out.empty() && out.back() == '\n') out.pop_back();
+    return out;
+  };
+  auto status_fields = [](const std::string& status, std::initializer_list<const char*> keys) {
+    std::string out;
+    size_t at = 0;
+    while (at < status.size()) {
+      size_t nl = status.find('\n', at);
+      if (nl == std::string::npos) nl = status.size();
+      const std::string line = status.substr(at, nl - at);
+      for (const char* k : keys)
+        if (line.compare(0, std::strlen(k), k) == 0 && line[std::strlen(k)] == ':')
+          out += " " + line;
+      at = nl + 1;
+    }
+    return out;
+  };
+  const std::string base = "/proc/" + std::to_string(pid);
+  const std::string status = read_file(base + "/status");
+  if (status.empty()) return "process " + std::to_string(pid) + " is gone";
+  std::string out = "process " + std::to_string(pid) + ":" + status_fields(status, {"ShdPnd"});
+  for (auto& tid : list_dir(base + "/task")) {
+    const std::string t = base + "/task/" + tid;
+    out += "\n  thread " + tid + " (" + read_file(t + "/comm") + ") wchan=" +
+           read_file(t + "/wchan") +
+           status_fields(read_file(t + "/status"), {"State", "SigPnd", "SigBlk", "SigCgt"});
+  }
+  return out;
 }
 
 // The ids of this process's threads.
@@ -229,5 +304,7 @@ inline std::string misplaced_signal_masks(const std::set<pid_t>& before, size_t*
   }, 2000);
   return wrong;
 }
+
+inline std::string Child::describe() const { return describe_process(pid_); }
 
 }  // namespace bbtest

@@ -5,8 +5,9 @@
  *
  * Opens the hub, prints "OPEN <pid>", lends memory if asked ("LENT", or "LEND_FAILED <status>
  * <message>" and exit code 3), waits until N tasks are attached if asked, then runs bubbles of
- * --bubble-us separated by --gap-us until SIGTERM/SIGINT (clean close, prints "CLOSED <status>"
- * and exits 0 if the close returned BB_OK) or SIGKILL (the stale-hub case).
+ * --bubble-us separated by --gap-us until SIGTERM/SIGINT (clean close: prints "STOPPING", then
+ * "CLOSED <status>" once bb_trainer_close returned, and exits 0 if it returned BB_OK) or SIGKILL
+ * (the stale-hub case).
  *
  * --commands: also reads commands on stdin between bubbles, one per line:
  *   S  print "STATS key=value ..." (bubble calls made and failed, hub counters, grant counters,
@@ -172,7 +173,12 @@ int main(int argc, char **argv) {
     else ++bubbles_ok;
     gap(gap_us);
   }
+  /* Each step of the way out is printed at once, so a test that waits in vain can tell a stop
+   * never seen from a close that does not return from an exit that does not end. */
+  printf("STOPPING\n");
+  fflush(stdout);
   st = bb_trainer_close(trainer);
   printf("CLOSED %s\n", bb_status_name(st));
+  fflush(stdout);
   return st == BB_OK ? 0 : 1;
 }

@@ -61,10 +61,15 @@ struct TrainerFixture {
     CHECK(bb_bubble_end(h) == BB_OK);
     std::this_thread::sleep_for(std::chrono::microseconds(gap_us));
   }
-  // Runs bubbles until cond holds (or the limit), returning whether it held.
+  // Runs bubbles until cond holds, returning whether it held. With max_bubbles the bound is that
+  // many bubbles (for what must happen within so many); without, it is a generous 60 s, so a
+  // task starved of CPU on a loaded machine still gets its turn (a count of bubbles would shrink
+  // to a few seconds of the task's own time when two cores run a dozen processes).
   template <typename F>
-  bool bubbles_until(F&& cond, int max_bubbles = 4000) {
-    for (int i = 0; i < max_bubbles; ++i) {
+  bool bubbles_until(F&& cond, int max_bubbles = 0) {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    for (int i = 0; max_bubbles ? i < max_bubbles : std::chrono::steady_clock::now() < until;
+         ++i) {
       if (cond()) return true;
       bubble();
     }

@@ -458,11 +458,14 @@ TEST_CASE("cuda_lend_without_a_driver_is_unsupported_with_the_reason") {
     const int status = trainer.wait_exit();
     CHECK((WIFEXITED(status) && WEXITSTATUS(status) == 3));
   }
-  // The host backend needs no driver.
-  Child trainer({trainer_bin(), "gu", "0", "--lend", "host:1048576"});
+  // The host backend needs no driver; the trainer lends, runs bubbles and closes cleanly when
+  // told to on its stdin.
+  Child trainer({trainer_bin(), "gu", "0", "--lend", "host:1048576", "--commands"}, true);
   CHECK(trainer.wait_line("LENT") != "");
-  trainer.signal(SIGTERM);
-  CHECK(trainer.wait_line("CLOSED") != "");
+  REQUIRE(trainer.write_stdin("Q\n"));
+  const std::string closed = trainer.wait_line("CLOSED");
+  if (closed.empty()) MESSAGE("no CLOSED after Q; " << trainer.describe());
+  CHECK(closed == "CLOSED BB_OK");
   CHECK(trainer.wait_exit() == 0);
 }
 

@@ -190,7 +190,10 @@ TEST_CASE("trainer_killed_task_waits_and_reattaches_to_restarted_trainer") {
   }));
   obs.reset();
   second.signal(SIGTERM);
-  CHECK(second.wait_line("CLOSED") != "");
+  const std::string closed = second.wait_line("CLOSED");
+  if (closed.empty()) MESSAGE("no CLOSED after SIGTERM; lines " << second.lines().size() << ", "
+                              << second.describe());
+  CHECK(closed != "");
   CHECK(second.wait_exit() == 0);
   // No trainer comes back this time: the task gives up after its re-attach timeout.
   task.signal(SIGKILL);
