@@ -162,8 +162,12 @@ class Client {
   std::unique_ptr<capnp::MessageReader> call(capnp::MallocMessageBuilder& msg) {
     msg.getRoot<proto::Request>().setId(++next_id_);
     std::string err;
+    std::vector<uint8_t> frame;
+    if (!encode_frame(msg, proto::MAX_FRAME_BYTES, &frame, &err))
+      die("the request is too large to send: " + err +
+          "; pass fewer or shorter arguments and environment entries");
     // A write can fail because the agent refused us and closed: its reply says why.
-    bool sent = write_frame_fd(fd_, msg, &err);
+    bool sent = write_frame_fd(fd_, frame, &err);
     std::string write_err = err;
     std::unique_ptr<capnp::MessageReader> reader;
     if (!read_frame_fd(fd_, &frames_, &reader, &err)) {

@@ -31,7 +31,11 @@ constexpr size_t kMaxClients = 128;
 // Of those, the ones from other uids (--allow-uid): they may watch, and must never be able to
 // take every connection from the agent's own user.
 constexpr size_t kMaxGuestClients = 32;
-constexpr uint64_t kPartialFrameTimeoutMs = 10'000;
+// A client owes the agent bytes while it has not said hello yet or has sent part of a frame: it
+// has this long to send them, counted from when it began to owe (not from its last byte, so a
+// client that trickles a byte at a time is cut off too). An idle connection after hello (a
+// watcher between requests) owes nothing and is never timed out.
+constexpr uint64_t kOwedBytesTimeoutMs = 10'000;
 // Replies a client has not read yet, at most: one that asks and never reads would otherwise make
 // the agent hold every reply (an `events` or `list` reply can be megabytes) until it runs out of
 // memory. Twice the largest frame, so a client that reads a large reply late is not cut off.
@@ -79,16 +83,32 @@ void close_conn(Conn* c) {
            [](uv_handle_t* h) { delete static_cast<Conn*>(h->data); });
 }
 
+void send_error(Conn* c, uint64_t id, proto::Error::Code code, const std::string& message,
+                bool close_after);
+
 void send(Conn* c, capnp::MessageBuilder& msg, bool close_after) {
   if (c->closing) return;
+  std::vector<uint8_t> bytes;
+  std::string too_large;
+  if (!encode_frame(msg, bb::proto::MAX_FRAME_BYTES, &bytes, &too_large)) {
+    // Every reply that can grow (list, events, logs, actions) is cut to fit before it gets here;
+    // one that still does not fit is answered with an error, never sent for the client to
+    // refuse and drop the connection over.
+    const uint64_t id = msg.getRoot<proto::Response>().getId();
+    agent_log("reply to request %llu not sent: %s", (unsigned long long)id, too_large.c_str());
+    send_error(c, id, proto::Error::Code::INTERNAL,
+               "the reply is too large for one frame (" + too_large +
+                   "): ask for less (a narrower list, fewer events or log bytes)",
+               close_after);
+    return;
+  }
   if (c->sink) {
-    std::vector<uint8_t> bytes = encode_frame(msg);
     c->sink->insert(c->sink->end(), bytes.begin(), bytes.end());
     if (close_after) close_conn(c);
     return;
   }
   auto* w = new WriteReq;
-  w->bytes = encode_frame(msg);
+  w->bytes = std::move(bytes);
   w->conn = c;
   w->close_after = close_after;
   uv_buf_t buf = uv_buf_init(reinterpret_cast<char*>(w->bytes.data()),
@@ -524,13 +544,34 @@ void handle(Conn* c, capnp::MessageReader& msg) {
   send(c, out, false);
 }
 
-void on_partial_timeout(uv_timer_t* t) {
+void on_owed_timeout(uv_timer_t* t) {
   auto* c = static_cast<Conn*>(t->data);
   c->agent->count_protocol_error();
-  send_error(c, 0, proto::Error::Code::BAD_FRAME,
-             "truncated frame: the rest did not arrive within " +
-                 std::to_string(kPartialFrameTimeoutMs / 1000) + " s",
-             true);
+  const std::string within = std::to_string(kOwedBytesTimeoutMs / 1000) + " s";
+  if (c->frames.pending() > 0)
+    send_error(c, 0, proto::Error::Code::BAD_FRAME,
+               "truncated frame: the rest did not arrive within " + within, true);
+  else
+    send_error(c, 0, proto::Error::Code::BAD_REQUEST,
+               "no hello within " + within + " of connecting: a client says hello first "
+               "(protocol version check); the connection is closed",
+               true);
+}
+
+// Starts the owed-bytes deadline if c owes the agent bytes and has none running, and stops it
+// once c owes nothing.
+void track_owed(Conn* c) {
+  const bool owes = !c->hello || c->frames.pending() > 0;
+  if (owes && !c->timer) {
+    c->timer = new uv_timer_t;
+    uv_timer_init(c->pipe.loop, c->timer);
+    c->timer->data = c;
+    uv_timer_start(c->timer, on_owed_timeout, kOwedBytesTimeoutMs, 0);
+  } else if (!owes && c->timer) {
+    uv_timer_stop(c->timer);
+    close_and_delete(c->timer);
+    c->timer = nullptr;
+  }
 }
 
 // Answers every complete frame buffered on c; false once c is closing.
@@ -580,18 +621,7 @@ void on_read(uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) {
     return;
   }
   if (!process_frames(c)) return;
-  if (c->frames.pending() > 0) {
-    if (!c->timer) {
-      c->timer = new uv_timer_t;
-      uv_timer_init(s->loop, c->timer);
-      c->timer->data = c;
-      uv_timer_start(c->timer, on_partial_timeout, kPartialFrameTimeoutMs, 0);
-    }
-  } else if (c->timer) {
-    uv_timer_stop(c->timer);
-    close_and_delete(c->timer);
-    c->timer = nullptr;
-  }
+  track_owed(c);
 }
 
 void on_connection(uv_stream_t* server, int status) {
@@ -653,6 +683,7 @@ void on_connection(uv_stream_t* server, int status) {
     return;
   }
   c->admitted = true;
+  track_owed(c);  // its hello is owed from now
   uv_read_start(
       reinterpret_cast<uv_stream_t*>(&c->pipe),
       [](uv_handle_t*, size_t suggested, uv_buf_t* buf) {

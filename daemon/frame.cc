@@ -8,14 +8,23 @@
 
 namespace bb::daemon {
 
-std::vector<uint8_t> encode_frame(capnp::MessageBuilder& message) {
-  kj::Array<capnp::word> words = capnp::messageToFlatArray(message);
-  kj::ArrayPtr<const kj::byte> bytes = words.asBytes();
-  std::vector<uint8_t> out(4 + bytes.size());
-  uint32_t len = static_cast<uint32_t>(bytes.size());
-  for (int i = 0; i < 4; ++i) out[i] = static_cast<uint8_t>(len >> (8 * i));
-  memcpy(out.data() + 4, bytes.begin(), bytes.size());
-  return out;
+bool encode_frame(capnp::MessageBuilder& message, uint32_t max_frame_bytes,
+                  std::vector<uint8_t>* out, std::string* error) {
+  // The size first: a message far too large is never copied out.
+  const size_t words = capnp::computeSerializedSizeInWords(message);
+  const size_t size = words * sizeof(capnp::word);
+  if (size > max_frame_bytes) {
+    *error = "a message of " + std::to_string(size) + " bytes exceeds the maximum frame of " +
+             std::to_string(max_frame_bytes) + " bytes";
+    return false;
+  }
+  kj::Array<capnp::word> flat = capnp::messageToFlatArray(message);
+  kj::ArrayPtr<const kj::byte> bytes = flat.asBytes();
+  out->resize(4 + bytes.size());
+  const uint32_t len = static_cast<uint32_t>(bytes.size());
+  for (int i = 0; i < 4; ++i) (*out)[i] = static_cast<uint8_t>(len >> (8 * i));
+  memcpy(out->data() + 4, bytes.begin(), bytes.size());
+  return true;
 }
 
 void FrameReader::feed(const char* data, size_t len) {
@@ -60,8 +69,7 @@ FrameReader::Result FrameReader::next(std::unique_ptr<capnp::MessageReader>* rea
   }
 }
 
-bool write_frame_fd(int fd, capnp::MessageBuilder& message, std::string* error) {
-  std::vector<uint8_t> bytes = encode_frame(message);
+bool write_frame_fd(int fd, const std::vector<uint8_t>& bytes, std::string* error) {
   size_t off = 0;
   while (off < bytes.size()) {
     ssize_t n = ::write(fd, bytes.data() + off, bytes.size() - off);

@@ -15,8 +15,11 @@
 
 namespace bb::daemon {
 
-// Serializes a message into one frame (length prefix included).
-std::vector<uint8_t> encode_frame(capnp::MessageBuilder& message);
+// Serializes a message into one frame (length prefix included) in *out. False, with *error
+// saying how large it would be, when its body exceeds max_frame_bytes: the peer would refuse such
+// a frame and close the connection, so it is never sent.
+bool encode_frame(capnp::MessageBuilder& message, uint32_t max_frame_bytes,
+                  std::vector<uint8_t>* out, std::string* error);
 
 // Accumulates stream bytes and cuts them into frames.
 class FrameReader {
@@ -39,8 +42,9 @@ class FrameReader {
   kj::Array<capnp::word> body_;  // aligned copy of the current frame's body
 };
 
-// Blocking helpers for the CLI: write one frame / read one frame from a socket descriptor.
-bool write_frame_fd(int fd, capnp::MessageBuilder& message, std::string* error);
+// Blocking helpers for the CLI: write one encoded frame / read one frame from a socket
+// descriptor.
+bool write_frame_fd(int fd, const std::vector<uint8_t>& frame, std::string* error);
 bool read_frame_fd(int fd, FrameReader* frames, std::unique_ptr<capnp::MessageReader>* reader,
                    std::string* error);
 

@@ -123,6 +123,26 @@ def test_truncated_frame(agent):
     expect_error_and_close(s, "truncated frame")
 
 
+def test_a_client_that_never_says_hello_is_closed_and_an_idle_one_after_hello_is_not(agent):
+    silent = connect(agent)
+    trickle = connect(agent)
+    idle = connect(agent)
+    idle.sendall(frame(encode(HELLO)))
+    assert "protocolVersion = 1" in decode(read_frame(idle))
+    started = time.monotonic()
+    # A byte at a time does not buy time: the deadline runs from the connect.
+    for byte in struct.pack("<I", 64)[:3]:
+        trickle.sendall(bytes([byte]))
+        time.sleep(2)
+    expect_error_and_close(silent, "no hello within 10 s")
+    expect_error_and_close(trickle, "truncated frame")
+    assert time.monotonic() - started < 15
+    # The connection that said hello owes nothing: it is still served after the same wait.
+    idle.sendall(frame(encode("(id = 2, status = void)")))
+    assert "id = 2" in decode(read_frame(idle))
+    idle.close()
+
+
 def test_random_frames_never_crash_the_agent(agent):
     rng = random.Random(1234)
     valid = encode(HELLO)

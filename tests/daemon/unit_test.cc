@@ -138,12 +138,33 @@ TEST_CASE("hub_names_parse") {
   CHECK(why.find("out of range 0..65535") != std::string::npos);
 }
 
+TEST_CASE("a_frame_over_the_maximum_is_never_encoded") {
+  capnp::MallocMessageBuilder msg;
+  auto resp = msg.initRoot<bb::proto::Response>();
+  resp.setId(7);
+  resp.setOk(std::string(2 << 20, 'x'));  // a 2 MiB text
+  std::vector<uint8_t> bytes;
+  std::string error;
+  CHECK_FALSE(encode_frame(msg, 1 << 20, &bytes, &error));
+  CHECK(bytes.empty());
+  CHECK(error.find("exceeds the maximum frame of 1048576 bytes") != std::string::npos);
+  // Under a larger maximum the same message is one frame that reads back whole.
+  REQUIRE(encode_frame(msg, 4 << 20, &bytes, &error));
+  FrameReader fr(4 << 20);
+  fr.feed(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  std::unique_ptr<capnp::MessageReader> r;
+  REQUIRE(fr.next(&r, &error) == FrameReader::Result::kFrame);
+  CHECK(r->getRoot<bb::proto::Response>().getOk().size() == size_t(2 << 20));
+}
+
 TEST_CASE("frames_roundtrip_split_anywhere") {
   capnp::MallocMessageBuilder msg;
   auto req = msg.initRoot<bb::proto::Request>();
   req.setId(42);
   req.initHello().setProtocolVersion(bb::proto::PROTOCOL_VERSION);
-  std::vector<uint8_t> bytes = encode_frame(msg);
+  std::vector<uint8_t> bytes;
+  std::string error;
+  REQUIRE(encode_frame(msg, 1 << 20, &bytes, &error));
   bytes.insert(bytes.end(), bytes.begin(), bytes.end());  // two frames back to back
   FrameReader fr(1 << 20);
   int frames = 0;

@@ -90,7 +90,10 @@ std::vector<uint8_t> hello_frame() {
   auto req = msg.initRoot<bb::proto::Request>();
   req.setId(1);
   req.initHello().setProtocolVersion(bb::proto::PROTOCOL_VERSION);
-  return bb::daemon::encode_frame(msg);
+  std::vector<uint8_t> frame;
+  std::string error;
+  if (!bb::daemon::encode_frame(msg, bb::proto::MAX_FRAME_BYTES, &frame, &error)) abort();
+  return frame;
 }
 
 // Every reply must be a frame the client's own reader accepts and that holds a Response.
