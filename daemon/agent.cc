@@ -62,6 +62,9 @@ std::string Agent::start(uv_loop_t* loop) {
   prune_timer_ = new uv_timer_t;
   uv_timer_init(loop_, prune_timer_);
   prune_timer_->data = this;
+  log_timer_ = new uv_timer_t;
+  uv_timer_init(loop_, log_timer_);
+  log_timer_->data = this;
   readopt_tasks();
   e = start_metrics();
   if (!e.empty()) return e;
@@ -98,7 +101,7 @@ void Agent::shutdown() {
     close_and_delete(dir_watch_);
     dir_watch_ = nullptr;
   }
-  for (uv_timer_t** t : {&tick_, &retry_timer_, &prune_timer_}) {
+  for (uv_timer_t** t : {&tick_, &retry_timer_, &prune_timer_, &log_timer_}) {
     if (*t) {
       uv_timer_stop(*t);
       close_and_delete(*t);

@@ -39,6 +39,7 @@ struct AgentConfig {
   uint64_t stop_timeout_ns = 5'000'000'000;   // graceful stop -> SIGTERM -> SIGKILL
   uint32_t max_attempts = 10;                 // launches per task (re-placement included)
   uint32_t keep_ended = 10000;                // ended tasks kept in the records, newest first
+  uint64_t log_max_bytes = 64ull << 20;       // output kept per log file of a running task
   std::map<std::string, int> hub_gpu;         // JOB:RANK -> device; default: the rank
   std::string self_exe;                       // for the launch wrapper
   bool verbose = false;
@@ -160,6 +161,10 @@ class Agent {
   // Deletes log files whose task is not in the records: left by an agent that stopped between
   // deleting old records and their logs. At start only.
   void sweep_logs();
+  // Keeps the log files of the tasks the agent launched within cfg_.log_max_bytes (logs.h).
+  // Runs every second while any is live, from log_timer_.
+  void bound_logs();
+  void arm_log_timer();
   LiveTask* live(int64_t id);
   void release_live(int64_t id);
 
@@ -171,6 +176,8 @@ class Agent {
   // Counters for metrics.
   uint64_t protocol_errors_ = 0, refused_clients_ = 0, submitted_ = 0, launches_ = 0;
   uint64_t pruned_ = 0;  // ended tasks deleted from the records since the agent started
+  uint64_t log_bytes_dropped_ = 0;  // task output dropped to keep logs within their bound
+  bool logs_unbounded_ = false;     // the state directory's file system cannot punch holes
   std::map<std::string, uint64_t> ended_by_state_;
   std::map<std::string, uint64_t> actions_by_kind_;
   uint64_t metrics_requests_ = 0;
@@ -199,6 +206,7 @@ class Agent {
   uint64_t tick_interval_ = 0;
   uv_timer_t* retry_timer_ = nullptr;
   uv_timer_t* prune_timer_ = nullptr;
+  uv_timer_t* log_timer_ = nullptr;
   uint32_t actions_since_trim_ = 0;
   // Process groups of launched tasks that ended less than a minute ago and whose rows were
   // deleted: adoptable() must still know them (pgid -> ended_at, Unix ms).

@@ -480,7 +480,14 @@ int cmd_logs(Client& c, const std::vector<std::string>& args) {
     l.setOffset(offset);
     auto r = c.call(msg);
     auto lr = r->getRoot<proto::Response>().getLogs();
-    if (lr.getTruncated()) fprintf(stderr, "(only the tail of %s)\n", str(lr.getPath()).c_str());
+    if (lr.getTruncated() && offset >= 0)
+      fprintf(stderr, "(%llu bytes of older output were dropped: the agent keeps each log within "
+                      "bubbled --log-max-bytes)\n",
+              static_cast<unsigned long long>(lr.getEnd() - lr.getData().size() -
+                                              static_cast<uint64_t>(offset)));
+    else if (lr.getTruncated())
+      fprintf(stderr, "(only the tail of %s%s)\n", str(lr.getPath()).c_str(),
+              lr.getDropped() ? "; older output was dropped by bubbled --log-max-bytes" : "");
     auto data = lr.getData();
     fwrite(data.begin(), 1, data.size(), stdout);
     fflush(stdout);

@@ -34,6 +34,8 @@ const char kUsage[] =
     "  --hub-gpu JOB:RANK=N  the GPU of a hub (default: its rank)\n"
     "  --keep-ended N        ended tasks kept in the records, with their logs and actions;\n"
     "                        older ones are deleted (default 10000)\n"
+    "  --log-max-bytes N     output kept of each of a task's stdout and stderr; past it the\n"
+    "                        oldest output is dropped (default 67108864, 64 MiB)\n"
     "  --verbose             log more\n";
 
 bool parse_u64(const char* s, uint64_t* out) {
@@ -106,6 +108,12 @@ int main(int argc, char** argv) {
       if (!parse_u64(s, &v) || v == 0 || v > 100'000'000)
         bad(std::string("--keep-ended ") + s + " must be a whole number from 1 to 100000000");
       cfg.keep_ended = static_cast<uint32_t>(v);
+    } else if (a == "--log-max-bytes") {
+      const char* s = value();
+      if (!parse_u64(s, &v) || v < 65536 || v > (1ull << 50))
+        bad(std::string("--log-max-bytes ") + s +
+            " must be a whole number of bytes from 65536 to 1125899906842624");
+      cfg.log_max_bytes = v;
     } else if (a == "--hub-gpu") {
       std::string s = value();
       size_t eq = s.rfind('=');

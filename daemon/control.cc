@@ -6,6 +6,7 @@
 #include "daemon/control_feed.h"
 #include "daemon/frame.h"
 #include "daemon/list_fit.h"
+#include "daemon/logs.h"
 #include "daemon/paths.h"
 #include "daemon/placement.h"
 #include "shm/fd_passing.h"
@@ -269,32 +270,6 @@ void fill_record(proto::TaskRecord::Builder b, const TaskRow& r) {
 // Reads up to max bytes of the log at path: its tail (offset < 0; *truncated says whether
 // earlier bytes were left out), or what follows byte `offset`. *end is the byte after what was
 // read.
-std::string read_log(const std::string& path, int64_t offset, uint32_t max, bool* truncated,
-                     uint64_t* end, std::string* err) {
-  int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    *err = "no log at " + path + " yet (the task has not been launched)";
-    return "";
-  }
-  struct stat st;
-  fstat(fd, &st);
-  const off_t size = st.st_size;
-  off_t start;
-  if (offset < 0) {
-    start = size > static_cast<off_t>(max) ? size - max : 0;
-    *truncated = start > 0;
-  } else {
-    start = std::min<off_t>(static_cast<off_t>(offset), size);
-    *truncated = false;
-  }
-  std::string out(static_cast<size_t>(std::min<off_t>(size - start, max)), '\0');
-  ssize_t n = pread(fd, out.data(), out.size(), start);
-  close(fd);
-  out.resize(n > 0 ? static_cast<size_t>(n) : 0);
-  *end = static_cast<uint64_t>(start) + out.size();
-  return out;
-}
-
 void handle(Conn* c, capnp::MessageReader& msg) {
   Agent* a = c->agent;
   auto req = msg.getRoot<proto::Request>();
@@ -454,21 +429,21 @@ void handle(Conn* c, capnp::MessageReader& msg) {
       std::string path = a->log_path(tid, l.getStderr());
       // Whether the task had ended before the read: then the read saw all it will ever write.
       const bool final = state_is_final(a->task(tid)->state);
-      bool truncated = false;
-      uint64_t end = 0;
+      LogRead got;
       std::string err;
-      std::string data = read_log(path, l.getOffset(), std::min<uint32_t>(l.getMaxBytes(), 8u << 20),
-                                  &truncated, &end, &err);
-      if (!err.empty()) {
+      if (!read_log(path, l.getOffset(), std::min<uint32_t>(l.getMaxBytes(), 8u << 20), &got,
+                    &err)) {
         send_error(c, id, proto::Error::Code::NOT_FOUND, err, false);
         return;
       }
       auto lr = resp.initLogs();
       lr.setPath(path);
-      lr.setData(kj::arrayPtr(reinterpret_cast<const kj::byte*>(data.data()), data.size()));
-      lr.setTruncated(truncated);
-      lr.setEnd(end);
+      lr.setData(kj::arrayPtr(reinterpret_cast<const kj::byte*>(got.data.data()),
+                              got.data.size()));
+      lr.setTruncated(got.truncated);
+      lr.setEnd(got.end);
       lr.setFinal(final);
+      lr.setDropped(got.dropped);
       break;
     }
     case proto::Request::EVENTS: {

@@ -253,6 +253,9 @@ std::string Agent::render_metrics() {
   head("bubble_task_records_pruned_total", "counter",
        "Ended tasks deleted from the records since the agent started (bubbled --keep-ended).");
   o += "bubble_task_records_pruned_total " + std::to_string(pruned_) + "\n";
+  head("bubble_task_log_bytes_dropped_total", "counter",
+       "Oldest task output dropped to keep each log within bubbled --log-max-bytes.");
+  o += "bubble_task_log_bytes_dropped_total " + std::to_string(log_bytes_dropped_) + "\n";
   head("bubble_task_launches_total", "counter", "Task processes launched since the agent started.");
   o += "bubble_task_launches_total " + std::to_string(launches_) + "\n";
   head("bubble_tasks_ended_total", "counter", "Tasks that ended since the agent started, by state.");

@@ -2,6 +2,7 @@
 // supervision (children through libuv, re-adopted processes through a pidfd), graceful stop and
 // re-placement, and re-adoption after a restart.
 #include "daemon/agent.h"
+#include "daemon/logs.h"
 #include "daemon/placement.h"
 
 #include <dirent.h>
@@ -38,7 +39,11 @@ struct TaskCallbacks {
     lt->agent->on_stop_timer(lt);
   }
   static void on_prune_timer(uv_timer_t* t) { static_cast<Agent*>(t->data)->prune_history(); }
+  static void on_log_timer(uv_timer_t* t) { static_cast<Agent*>(t->data)->bound_logs(); }
 };
+
+// How often the logs of live tasks are checked against --log-max-bytes.
+constexpr uint64_t kLogBoundIntervalMs = 1000;
 
 LiveTask* Agent::live(int64_t id) {
   auto it = live_.find(id);
@@ -90,6 +95,14 @@ void Agent::record(const TaskRow* row, pid_t pid, const std::string& hub,
 }
 
 void Agent::finish_row(TaskRow* row, const std::string& state, const std::string& message) {
+  // What it wrote since the last check is held to the bound too.
+  if (row->origin != "attached" && !logs_unbounded_) {
+    std::string ignored;  // a failure here is the file system's, reported by the timer
+    for (bool err : {false, true}) {
+      const int64_t dropped = bound_log(log_path(row->id, err), cfg_.log_max_bytes, &ignored);
+      if (dropped > 0) log_bytes_dropped_ += static_cast<uint64_t>(dropped);
+    }
+  }
   row->state = state;
   row->message = message;
   row->ended_at = wall_ms();
@@ -151,6 +164,35 @@ void Agent::prune_history() {
   if (cfg_.verbose)
     agent_log("deleted the records and logs of %zu ended tasks beyond the newest %u", ids.size(),
               cfg_.keep_ended);
+}
+
+void Agent::arm_log_timer() {
+  if (log_timer_ && !closing_ && !logs_unbounded_ &&
+      !uv_is_active(reinterpret_cast<uv_handle_t*>(log_timer_)))
+    uv_timer_start(log_timer_, TaskCallbacks::on_log_timer, kLogBoundIntervalMs,
+                   kLogBoundIntervalMs);
+}
+
+void Agent::bound_logs() {
+  bool any = false;
+  for (const auto& [id, lt] : live_) {
+    const TaskRow* row = task(id);
+    if (!row || row->origin == "attached") continue;  // its output is not the agent's
+    any = true;
+    for (bool err : {false, true}) {
+      std::string why;
+      const int64_t dropped = bound_log(log_path(id, err), cfg_.log_max_bytes, &why);
+      if (dropped < 0) {
+        // Said once: the next check would only fail the same way.
+        logs_unbounded_ = true;
+        agent_log("%s", why.c_str());
+        uv_timer_stop(log_timer_);
+        return;
+      }
+      log_bytes_dropped_ += static_cast<uint64_t>(dropped);
+    }
+  }
+  if (!any) uv_timer_stop(log_timer_);  // armed again by the next launch
 }
 
 std::string Agent::log_path(int64_t id, bool err) const {
@@ -356,6 +398,7 @@ std::string Agent::launch(TaskRow* row, Hub* hub) {
   row->requeue_note.clear();
   row->message = "launched on hub " + hub->name + " (GPU " + std::to_string(gpu) + ")";
   live_[row->id] = std::move(lt);
+  arm_log_timer();
   ++launches_;
   save(*row);
   agent_log("task #%lld launched on %s, pid %d", static_cast<long long>(row->id),
@@ -571,6 +614,7 @@ void Agent::watch_pidfd(TaskRow* row) {
   lt->id = row->id;
   LiveTask* raw = lt.get();
   live_[row->id] = std::move(lt);
+  arm_log_timer();
   start_pidfd_watch(raw, row->pid);
 }
 

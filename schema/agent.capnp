@@ -157,6 +157,8 @@ struct LogsReply {
   truncated @2 :Bool;  # the tail only: earlier bytes were left out
   end @3 :UInt64;      # the byte after `data`: the offset to ask from next
   final @4 :Bool;      # the task has ended: nothing more will be written
+  dropped @5 :UInt64;  # bytes of the oldest output the agent dropped to keep the log within
+                       # bubbled --log-max-bytes (the log's offsets still count them)
 }
 
 struct EventsRequest {

@@ -170,6 +170,22 @@ def test_killing_the_listed_pid_alone_ends_the_task_and_records_it_once(env):
     assert len(rows) == 1, rows  # not re-adopted as a second, attached row
 
 
+def follow_logs(env, tid, meanwhile, *options):
+    """Runs `bubblectl logs TID --follow` to its end, calling meanwhile(process) once it runs;
+    returns its exit code, stdout and stderr. It is killed if the test fails first."""
+    follow = subprocess.Popen([BUBBLECTL, "--socket", env.socket, "logs", str(tid), "--follow",
+                               *options],
+                              env=env.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        meanwhile(follow)
+        out, err = follow.communicate(timeout=30)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.wait()
+    return follow.returncode, out, err
+
+
 def test_logs_follow_prints_what_the_task_writes_until_it_ends(env):
     env.trainer("j", 0)
     env.start_agent()
@@ -177,19 +193,14 @@ def test_logs_follow_prints_what_the_task_writes_until_it_ends(env):
     tid = env.submit("/bin/sh", "-c", "echo line1; while [ ! -e " + gate + " ]; do sleep 0.05; "
                      "done; for i in 2 3 4; do echo line$i; sleep 0.1; done")
     env.wait_state(tid, "running")
-    follow = subprocess.Popen([BUBBLECTL, "--socket", env.socket, "logs", str(tid), "--follow"],
-                              env=env.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+
+    def at_the_gate(follow):
         # The tail as it is while the task waits at the gate; then what it writes after.
         assert follow.stdout.readline() == "line1\n"
         assert follow.poll() is None, "logs --follow returned while the task was still running"
         open(gate, "w").close()
-        out, err = follow.communicate(timeout=30)
-    finally:
-        if follow.poll() is None:
-            follow.kill()
-            follow.wait()
-    assert follow.returncode == 0, err
+    code, out, err = follow_logs(env, tid, at_the_gate)
+    assert code == 0, err
     assert out.splitlines() == ["line2", "line3", "line4"]
     assert env.task(tid)["state"] == "finished"
 
@@ -207,3 +218,44 @@ def test_what_a_task_leaves_running_in_its_process_group_ends_with_it(env):
     background = int(open(pidfile).read())
     wait_until("the task's background job to be killed", lambda: _gone(background))
     assert "it ended; killed what was left of its process group" in env.log_tail()
+
+
+def test_a_chatty_task_keeps_only_the_newest_output_within_the_log_bound(env):
+    """A task that writes without end cannot fill the disk: past --log-max-bytes its oldest
+    output is dropped, the newest stays readable, and a follower is told what it missed."""
+    env.trainer("j", 0)
+    env.start_agent("--log-max-bytes", "65536")
+    gate, written = os.path.join(env.root, "gate"), os.path.join(env.root, "written")
+    # About 1 MB of numbered lines; then it says so and waits at the gate; then one last line.
+    tid = env.submit("/bin/sh", "-c", "i=0; while [ $i -lt 100000 ]; do echo line$i; i=$((i+1)); "
+                     f"done; touch {written}; while [ ! -e {gate} ]; do sleep 0.05; done; "
+                     "echo last")
+    total = sum(len(f"line{i}\n") for i in range(100000))
+    out = os.path.join(env.state, "logs", f"{tid}.out")
+    wait_until("the task to write its lines", lambda: os.path.exists(written), timeout=60)
+    wait_until("the log to be held within its bound",
+               lambda: os.stat(out).st_blocks * 512 <= 65536)
+    assert os.stat(out).st_size == total  # offsets still count what went
+    r = env.ctl("logs", str(tid), "--bytes", "20")
+    assert r.stdout.endswith("line99999\n"), r.stdout
+    assert "older output was dropped by bubbled --log-max-bytes" in r.stderr, r.stderr
+    code, stdout, stderr = follow_logs(env, tid, lambda _: open(gate, "w").close(),
+                                       "--bytes", "65536")
+    assert code == 0, stderr
+    lines = stdout.splitlines()
+    assert lines[-2:] == ["line99999", "last"], lines[-3:]
+    # What it printed is whole lines in order: the kept output, not a mix.
+    numbers = [int(x[4:]) for x in lines[1:-1]]
+    assert numbers == list(range(numbers[0], 100000)), numbers[:3]
+    assert env.wait_state(tid, "finished")
+    from test_metrics import scrape, value
+    dropped = value(scrape(env.status()["metrics_port"]), "bubble_task_log_bytes_dropped_total")
+    assert dropped and total - 32768 - 4096 <= dropped < total  # half the bound, in blocks
+
+
+def test_log_max_bytes_must_be_at_least_64_kib(env):
+    from conftest import BUBBLED
+    r = subprocess.run([BUBBLED, "--log-max-bytes", "100"], capture_output=True, text=True,
+                       timeout=10)
+    assert r.returncode != 0
+    assert "--log-max-bytes 100 must be a whole number of bytes from 65536" in r.stderr

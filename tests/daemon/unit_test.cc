@@ -5,11 +5,14 @@
 #include "daemon/enforcer.h"
 #include "daemon/frame.h"
 #include "daemon/list_fit.h"
+#include "daemon/logs.h"
 #include "daemon/placement.h"
 #include "daemon/proc.h"
 #include "daemon/store.h"
 
+#include <fcntl.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <capnp/message.h>
@@ -316,6 +319,59 @@ TEST_CASE("store_deletes_tasks_with_their_actions_trims_actions_and_counts_what_
     CHECK(row.id > ids[3]);
   }
   REQUIRE(system((std::string("rm -rf ") + dir).c_str()) == 0);
+}
+
+TEST_CASE("a_log_past_its_bound_drops_its_oldest_output_and_keeps_its_offsets") {
+  char dir[] = "/tmp/bblogs-XXXXXX";
+  REQUIRE(mkdtemp(dir) != nullptr);
+  const std::string path = std::string(dir) + "/1.out";
+  std::string error;
+  CHECK(bb::daemon::bound_log(path, 65536, &error) == 0);  // no log yet: nothing to do
+  // 1 MiB of numbered 16-byte lines, appended as a task appends.
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
+  REQUIRE(fd >= 0);
+  std::string all;
+  for (int i = 0; i < 65536; ++i) {
+    char line[17];
+    snprintf(line, sizeof line, "line %010d\n", i);
+    all += line;
+  }
+  REQUIRE(write(fd, all.data(), all.size()) == ssize_t(all.size()));
+  CHECK(bb::daemon::bound_log(path, 2 << 20, &error) == 0);  // within a larger bound
+  const int64_t dropped = bb::daemon::bound_log(path, 65536, &error);
+  INFO(error);
+  REQUIRE(dropped > 0);
+  struct stat st;
+  REQUIRE(stat(path.c_str(), &st) == 0);
+  CHECK(st.st_size == off_t(all.size()));                // offsets still count what went
+  CHECK(uint64_t(st.st_blocks) * 512 <= 65536);          // the disk holds at most the bound
+  CHECK(all.size() - uint64_t(dropped) <= 32768 + uint64_t(st.st_blksize));  // about half
+  CHECK(bb::daemon::bound_log(path, 65536, &error) == 0);  // within the bound now
+  // The tail reads as it was written.
+  bb::daemon::LogRead r;
+  REQUIRE(bb::daemon::read_log(path, -1, 100, &r, &error));
+  CHECK(r.data == all.substr(all.size() - 100));
+  CHECK(r.truncated);
+  CHECK(r.dropped == uint64_t(dropped));
+  CHECK(r.end == all.size());
+  // A follower reading from before the kept output resumes where it begins, told so; one past
+  // it reads on unchanged.
+  REQUIRE(bb::daemon::read_log(path, 0, 64, &r, &error));
+  CHECK(r.truncated);
+  CHECK(r.data == all.substr(size_t(dropped), 64));
+  CHECK(r.end == uint64_t(dropped) + 64);
+  REQUIRE(bb::daemon::read_log(path, int64_t(all.size()) - 32, 64, &r, &error));
+  CHECK_FALSE(r.truncated);
+  CHECK(r.data == all.substr(all.size() - 32));
+  // The task goes on appending after its old output was dropped.
+  REQUIRE(write(fd, "more\n", 5) == 5);
+  close(fd);
+  REQUIRE(bb::daemon::read_log(path, int64_t(all.size()), 64, &r, &error));
+  CHECK(r.data == "more\n");
+  CHECK_FALSE(bb::daemon::read_log(std::string(dir) + "/2.out", -1, 64, &r, &error));
+  CHECK(error.find("no log at") != std::string::npos);
+  unlink(path.c_str());
+  rmdir(dir);
 }
 
 TEST_CASE("process_identity_includes_start_time") {
