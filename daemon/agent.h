@@ -112,6 +112,9 @@ class Agent {
   Store& store() { return store_; }
   uint64_t granted_on(const std::string& hub) const;
   std::string log_path(int64_t id, bool err) const;
+  // Where the kept output of a task's log begins, past what the bound dropped (0: nothing known
+  // dropped).
+  uint64_t log_kept_from(int64_t id, bool err) const;
   void count_protocol_error() { ++protocol_errors_; }
   void count_refused() { ++refused_clients_; }
   std::string render_metrics();
@@ -162,8 +165,9 @@ class Agent {
   // deleting old records and their logs. At start only.
   void sweep_logs();
   // Keeps the log files of the tasks the agent launched within cfg_.log_max_bytes (logs.h).
-  // Runs every second while any is live, from log_timer_.
+  // Runs every second while any is live, from log_timer_, and for a task as it ends.
   void bound_logs();
+  void bound_task_logs(int64_t id);
   void arm_log_timer();
   LiveTask* live(int64_t id);
   void release_live(int64_t id);
@@ -178,6 +182,8 @@ class Agent {
   uint64_t pruned_ = 0;  // ended tasks deleted from the records since the agent started
   uint64_t log_bytes_dropped_ = 0;  // task output dropped to keep logs within their bound
   bool logs_unbounded_ = false;     // the state directory's file system cannot punch holes
+  std::map<std::pair<int64_t, bool>, uint64_t> log_kept_from_;  // (task, stderr) -> offset
+  std::string last_log_bound_error_;  // said once in a row, not every second
   std::map<std::string, uint64_t> ended_by_state_;
   std::map<std::string, uint64_t> actions_by_kind_;
   uint64_t metrics_requests_ = 0;

@@ -59,6 +59,7 @@ struct Conn {
   uid_t uid = 0;
   pid_t pid = 0;
   bool admitted = false;  // passed the credential and connection-count checks
+  uint64_t frames_served = 0;
   // Set for a connection without a socket (ControlFeed): replies are appended here.
   std::vector<uint8_t>* sink = nullptr;
 };
@@ -431,8 +432,8 @@ void handle(Conn* c, capnp::MessageReader& msg) {
       const bool final = state_is_final(a->task(tid)->state);
       LogRead got;
       std::string err;
-      if (!read_log(path, l.getOffset(), std::min<uint32_t>(l.getMaxBytes(), 8u << 20), &got,
-                    &err)) {
+      if (!read_log(path, l.getOffset(), std::min<uint32_t>(l.getMaxBytes(), 8u << 20),
+                    a->log_kept_from(tid, l.getStderr()), &got, &err)) {
         send_error(c, id, proto::Error::Code::NOT_FOUND, err, false);
         return;
       }
@@ -522,6 +523,12 @@ void handle(Conn* c, capnp::MessageReader& msg) {
 void on_owed_timeout(uv_timer_t* t) {
   auto* c = static_cast<Conn*>(t->data);
   c->agent->count_protocol_error();
+  // A client that does not read what it was sent would never let the error reply through, and
+  // the connection would stay: close it without one.
+  if (uv_stream_get_write_queue_size(reinterpret_cast<uv_stream_t*>(&c->pipe)) > 0) {
+    close_conn(c);
+    return;
+  }
   const std::string within = std::to_string(kOwedBytesTimeoutMs / 1000) + " s";
   if (c->frames.pending() > 0)
     send_error(c, 0, proto::Error::Code::BAD_FRAME,
@@ -534,10 +541,13 @@ void on_owed_timeout(uv_timer_t* t) {
 }
 
 // Starts the owed-bytes deadline if c owes the agent bytes and has none running, and stops it
-// once c owes nothing.
-void track_owed(Conn* c) {
+// once c owes nothing. A client that completed a frame made progress: a partial frame after it
+// gets a deadline of its own (progressed).
+void track_owed(Conn* c, bool progressed) {
   const bool owes = !c->hello || c->frames.pending() > 0;
-  if (owes && !c->timer) {
+  if (owes && c->timer && progressed) {
+    uv_timer_start(c->timer, on_owed_timeout, kOwedBytesTimeoutMs, 0);  // restarts it
+  } else if (owes && !c->timer) {
     c->timer = new uv_timer_t;
     uv_timer_init(c->pipe.loop, c->timer);
     c->timer->data = c;
@@ -561,6 +571,7 @@ bool process_frames(Conn* c) {
       send_error(c, 0, proto::Error::Code::BAD_FRAME, error, true);
       return false;
     }
+    ++c->frames_served;
     try {
       handle(c, *reader);
     } catch (const kj::Exception& e) {
@@ -595,8 +606,9 @@ void on_read(uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) {
     }
     return;
   }
+  const uint64_t served = c->frames_served;
   if (!process_frames(c)) return;
-  track_owed(c);
+  track_owed(c, c->frames_served != served);
 }
 
 void on_connection(uv_stream_t* server, int status) {
@@ -658,7 +670,7 @@ void on_connection(uv_stream_t* server, int status) {
     return;
   }
   c->admitted = true;
-  track_owed(c);  // its hello is owed from now
+  track_owed(c, false);  // its hello is owed from now
   uv_read_start(
       reinterpret_cast<uv_stream_t*>(&c->pipe),
       [](uv_handle_t*, size_t suggested, uv_buf_t* buf) {

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -12,63 +13,86 @@ namespace bb::daemon {
 
 namespace {
 
-// Where the data of a file of `size` bytes begins: past the hole a bound punched at its start.
-off_t data_start(int fd, off_t size) {
-  const off_t at = lseek(fd, 0, SEEK_DATA);
-  if (at >= 0) return std::min(at, size);
-  return errno == ENXIO ? size : 0;  // ENXIO: no data at all; other errors: no holes known
+// Where the kept output of a file of `size` bytes begins: past the hole a bound punched at its
+// start, by what this process remembers or, failing that, by the file itself.
+off_t kept_start(int fd, off_t size, uint64_t kept_from) {
+  off_t at = lseek(fd, 0, SEEK_DATA);
+  if (at < 0) at = errno == ENXIO ? size : 0;  // ENXIO: no data at all; else no holes known
+  return std::min(std::max(at, static_cast<off_t>(std::min<uint64_t>(kept_from, size))), size);
+}
+
+// The unit the file system frees in: a punch of whole units gives all of them back.
+off_t free_unit(int fd) {
+  struct statfs sf;
+  if (fstatfs(fd, &sf) == 0 && sf.f_bsize >= 512 && sf.f_bsize <= (1 << 20)) return sf.f_bsize;
+  return 4096;
 }
 
 }  // namespace
 
-int64_t bound_log(const std::string& path, uint64_t max_bytes, std::string* error) {
-  const int fd = open(path.c_str(), O_WRONLY | O_CLOEXEC | O_NOFOLLOW);
+LogBound bound_log(const std::string& path, uint64_t max_bytes, uint64_t* kept_from,
+                   std::string* error) {
+  LogBound r;
+  // Read-only and non-blocking to look: something other than a regular file at the path (a
+  // FIFO) is never waited on, and a log within its bound is not opened for writing at all.
+  const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) {
-    if (errno == ENOENT) return 0;
-    *error = "cannot open " + path + ": " + strerror(errno);
-    return -1;
+    if (errno == ENOENT) return r;
+    r.failed = true;
+    *error = "cannot open the log " + path + ": " + strerror(errno);
+    return r;
   }
   struct stat st;
-  int64_t dropped = 0;
-  if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode)) {
-    const off_t start = data_start(fd, st.st_size);
-    if (static_cast<uint64_t>(st.st_size - start) > max_bytes) {
-      const off_t block = st.st_blksize > 0 ? st.st_blksize : 4096;
-      // Whole blocks only: a partly punched block would stay on disk, zero-filled, and read as
-      // data.
-      const off_t keep_from = (st.st_size - static_cast<off_t>(max_bytes / 2)) / block * block;
-      if (keep_from > start) {
-        if (fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, keep_from) != 0) {
-          *error = "cannot drop old output from " + path + " (" + strerror(errno) +
-                   "): its file system does not punch holes, so task logs are not bounded";
-          close(fd);
-          return -1;
-        }
-        dropped = keep_from - start;
-      }
-    }
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    close(fd);
+    return r;
   }
+  const off_t start = kept_start(fd, st.st_size, *kept_from);
+  const off_t unit = free_unit(fd);
   close(fd);
-  return dropped;
+  if (static_cast<uint64_t>(st.st_size - start) <= max_bytes) {
+    *kept_from = static_cast<uint64_t>(start);
+    return r;
+  }
+  const off_t keep_from = (st.st_size - static_cast<off_t>(max_bytes / 2)) / unit * unit;
+  if (keep_from <= start) {
+    *kept_from = static_cast<uint64_t>(start);
+    return r;
+  }
+  const int wfd = open(path.c_str(), O_WRONLY | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW);
+  if (wfd < 0 || fallocate(wfd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, keep_from) != 0) {
+    const int err = errno;
+    if (wfd >= 0) close(wfd);
+    r.failed = true;
+    r.unsupported = err == EOPNOTSUPP || err == ENOSYS;
+    *error = "cannot drop old output from the log " + path + ": " + strerror(err) +
+             (r.unsupported ? " (its file system does not punch holes, so task logs there are "
+                              "not bounded)"
+                            : "");
+    return r;
+  }
+  close(wfd);
+  r.dropped = keep_from - start;
+  *kept_from = static_cast<uint64_t>(keep_from);
+  return r;
 }
 
-bool read_log(const std::string& path, int64_t offset, uint32_t max, LogRead* out,
-              std::string* error) {
-  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+bool read_log(const std::string& path, int64_t offset, uint32_t max, uint64_t kept_from,
+              LogRead* out, std::string* error) {
+  const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) {
     *error = "no log at " + path + " yet (the task has not been launched)";
     return false;
   }
   struct stat st;
-  if (fstat(fd, &st) != 0) st.st_size = 0;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) st.st_size = 0;
   const off_t size = st.st_size;
-  const off_t kept = data_start(fd, size);
+  const off_t kept = kept_start(fd, size, kept_from);
   off_t start;
-  if (offset < 0) {
+  if (offset < 0)
     start = std::max(size > static_cast<off_t>(max) ? size - static_cast<off_t>(max) : 0, kept);
-  } else {
+  else
     start = std::max(std::min<off_t>(static_cast<off_t>(offset), size), kept);
-  }
   // From an offset (following), truncated means the bound dropped what was to come next.
   out->truncated = offset < 0 ? start > 0 : start > offset;
   out->dropped = static_cast<uint64_t>(kept);

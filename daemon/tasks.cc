@@ -96,13 +96,7 @@ void Agent::record(const TaskRow* row, pid_t pid, const std::string& hub,
 
 void Agent::finish_row(TaskRow* row, const std::string& state, const std::string& message) {
   // What it wrote since the last check is held to the bound too.
-  if (row->origin != "attached" && !logs_unbounded_) {
-    std::string ignored;  // a failure here is the file system's, reported by the timer
-    for (bool err : {false, true}) {
-      const int64_t dropped = bound_log(log_path(row->id, err), cfg_.log_max_bytes, &ignored);
-      if (dropped > 0) log_bytes_dropped_ += static_cast<uint64_t>(dropped);
-    }
-  }
+  if (row->origin != "attached" && !logs_unbounded_) bound_task_logs(row->id);
   row->state = state;
   row->message = message;
   row->ended_at = wall_ms();
@@ -159,6 +153,8 @@ void Agent::prune_history() {
     tasks_.erase(id);
     unlink(log_path(id, false).c_str());
     unlink(log_path(id, true).c_str());
+    log_kept_from_.erase({id, false});
+    log_kept_from_.erase({id, true});
   }
   pruned_ += ids.size();
   if (cfg_.verbose)
@@ -173,26 +169,39 @@ void Agent::arm_log_timer() {
                    kLogBoundIntervalMs);
 }
 
+void Agent::bound_task_logs(int64_t id) {
+  for (bool err : {false, true}) {
+    std::string why;
+    const LogBound b = bound_log(log_path(id, err), cfg_.log_max_bytes,
+                                 &log_kept_from_[{id, err}], &why);
+    log_bytes_dropped_ += static_cast<uint64_t>(b.dropped);
+    if (!b.failed) continue;
+    if (why != last_log_bound_error_) agent_log("%s", why.c_str());  // not every second
+    last_log_bound_error_ = why;
+    if (b.unsupported) {
+      // No log in the state directory can be bounded: stop trying.
+      logs_unbounded_ = true;
+      if (log_timer_) uv_timer_stop(log_timer_);
+      return;
+    }
+  }
+}
+
 void Agent::bound_logs() {
   bool any = false;
   for (const auto& [id, lt] : live_) {
     const TaskRow* row = task(id);
     if (!row || row->origin == "attached") continue;  // its output is not the agent's
     any = true;
-    for (bool err : {false, true}) {
-      std::string why;
-      const int64_t dropped = bound_log(log_path(id, err), cfg_.log_max_bytes, &why);
-      if (dropped < 0) {
-        // Said once: the next check would only fail the same way.
-        logs_unbounded_ = true;
-        agent_log("%s", why.c_str());
-        uv_timer_stop(log_timer_);
-        return;
-      }
-      log_bytes_dropped_ += static_cast<uint64_t>(dropped);
-    }
+    bound_task_logs(id);
+    if (logs_unbounded_) return;
   }
   if (!any) uv_timer_stop(log_timer_);  // armed again by the next launch
+}
+
+uint64_t Agent::log_kept_from(int64_t id, bool err) const {
+  auto it = log_kept_from_.find({id, err});
+  return it == log_kept_from_.end() ? 0 : it->second;
 }
 
 std::string Agent::log_path(int64_t id, bool err) const {

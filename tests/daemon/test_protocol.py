@@ -124,10 +124,11 @@ def test_truncated_frame(agent):
 
 
 def test_a_client_that_never_says_hello_is_closed_and_an_idle_one_after_hello_is_not(agent):
+    hello, status = frame(encode(HELLO)), frame(encode("(id = 2, status = void)"))
     silent = connect(agent)
     trickle = connect(agent)
     idle = connect(agent)
-    idle.sendall(frame(encode(HELLO)))
+    idle.sendall(hello)
     assert "protocolVersion = 1" in decode(read_frame(idle))
     started = time.monotonic()
     # A byte at a time does not buy time: the deadline runs from the connect.
@@ -138,9 +139,26 @@ def test_a_client_that_never_says_hello_is_closed_and_an_idle_one_after_hello_is
     expect_error_and_close(trickle, "truncated frame")
     assert time.monotonic() - started < 15
     # The connection that said hello owes nothing: it is still served after the same wait.
-    idle.sendall(frame(encode("(id = 2, status = void)")))
+    idle.sendall(status)
     assert "id = 2" in decode(read_frame(idle))
     idle.close()
+
+
+def test_a_client_that_keeps_completing_frames_is_never_cut_off(agent):
+    """Requests back to back with a part of the next always in flight: each completed frame is
+    progress, so the 10 s deadline starts over, for 14 s here."""
+    hello, status = frame(encode(HELLO)), frame(encode("(id = 2, status = void)"))
+    s = connect(agent)
+    s.sendall(hello)
+    read_frame(s)
+    s.sendall(status[:1])
+    for _ in range(7):
+        time.sleep(2)
+        s.sendall(status[1:] + status[:1])  # the rest of one request, the start of the next
+        assert "id = 2" in decode(read_frame(s))
+    s.sendall(status[1:])
+    assert "id = 2" in decode(read_frame(s))
+    s.close()
 
 
 def test_random_frames_never_crash_the_agent(agent):

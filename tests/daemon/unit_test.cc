@@ -13,6 +13,7 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <capnp/message.h>
@@ -322,11 +323,14 @@ TEST_CASE("store_deletes_tasks_with_their_actions_trims_actions_and_counts_what_
 }
 
 TEST_CASE("a_log_past_its_bound_drops_its_oldest_output_and_keeps_its_offsets") {
+  using bb::daemon::bound_log;
+  using bb::daemon::read_log;
   char dir[] = "/tmp/bblogs-XXXXXX";
   REQUIRE(mkdtemp(dir) != nullptr);
   const std::string path = std::string(dir) + "/1.out";
   std::string error;
-  CHECK(bb::daemon::bound_log(path, 65536, &error) == 0);  // no log yet: nothing to do
+  uint64_t kept = 0;
+  CHECK(bound_log(path, 65536, &kept, &error).dropped == 0);  // no log yet: nothing to do
   // 1 MiB of numbered 16-byte lines, appended as a task appends.
   const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0600);
   REQUIRE(fd >= 0);
@@ -337,39 +341,55 @@ TEST_CASE("a_log_past_its_bound_drops_its_oldest_output_and_keeps_its_offsets") 
     all += line;
   }
   REQUIRE(write(fd, all.data(), all.size()) == ssize_t(all.size()));
-  CHECK(bb::daemon::bound_log(path, 2 << 20, &error) == 0);  // within a larger bound
-  const int64_t dropped = bb::daemon::bound_log(path, 65536, &error);
+  CHECK(bound_log(path, 2 << 20, &kept, &error).dropped == 0);  // within a larger bound
+  CHECK(kept == 0);
+  const bb::daemon::LogBound b = bound_log(path, 65536, &kept, &error);
   INFO(error);
-  REQUIRE(dropped > 0);
+  REQUIRE_FALSE(b.failed);
+  REQUIRE(b.dropped > 0);
+  CHECK(kept == uint64_t(b.dropped));
   struct stat st;
   REQUIRE(stat(path.c_str(), &st) == 0);
-  CHECK(st.st_size == off_t(all.size()));                // offsets still count what went
-  CHECK(uint64_t(st.st_blocks) * 512 <= 65536);          // the disk holds at most the bound
-  CHECK(all.size() - uint64_t(dropped) <= 32768 + uint64_t(st.st_blksize));  // about half
-  CHECK(bb::daemon::bound_log(path, 65536, &error) == 0);  // within the bound now
+  CHECK(st.st_size == off_t(all.size()));        // offsets still count what went
+  CHECK(uint64_t(st.st_blocks) * 512 <= 65536);  // the disk holds at most the bound
+  struct statfs sf;
+  REQUIRE(statfs(dir, &sf) == 0);
+  CHECK(all.size() - kept <= 32768 + uint64_t(sf.f_bsize));  // about half is kept
+  CHECK(bound_log(path, 65536, &kept, &error).dropped == 0);  // within the bound now
   // The tail reads as it was written.
   bb::daemon::LogRead r;
-  REQUIRE(bb::daemon::read_log(path, -1, 100, &r, &error));
+  REQUIRE(read_log(path, -1, 100, kept, &r, &error));
   CHECK(r.data == all.substr(all.size() - 100));
   CHECK(r.truncated);
-  CHECK(r.dropped == uint64_t(dropped));
+  CHECK(r.dropped == kept);
   CHECK(r.end == all.size());
   // A follower reading from before the kept output resumes where it begins, told so; one past
-  // it reads on unchanged.
-  REQUIRE(bb::daemon::read_log(path, 0, 64, &r, &error));
-  CHECK(r.truncated);
-  CHECK(r.data == all.substr(size_t(dropped), 64));
-  CHECK(r.end == uint64_t(dropped) + 64);
-  REQUIRE(bb::daemon::read_log(path, int64_t(all.size()) - 32, 64, &r, &error));
+  // it reads on unchanged. The same holds for a reader that knows nothing of the bound (an
+  // agent restarted since): the file says where its data begins.
+  for (uint64_t known : {kept, uint64_t(0)}) {
+    REQUIRE(read_log(path, 0, 64, known, &r, &error));
+    CHECK(r.truncated);
+    CHECK(r.data == all.substr(kept, 64));
+    CHECK(r.end == kept + 64);
+  }
+  REQUIRE(read_log(path, int64_t(all.size()) - 32, 64, kept, &r, &error));
   CHECK_FALSE(r.truncated);
   CHECK(r.data == all.substr(all.size() - 32));
   // The task goes on appending after its old output was dropped.
   REQUIRE(write(fd, "more\n", 5) == 5);
   close(fd);
-  REQUIRE(bb::daemon::read_log(path, int64_t(all.size()), 64, &r, &error));
+  REQUIRE(read_log(path, int64_t(all.size()), 64, kept, &r, &error));
   CHECK(r.data == "more\n");
-  CHECK_FALSE(bb::daemon::read_log(std::string(dir) + "/2.out", -1, 64, &r, &error));
+  CHECK_FALSE(read_log(std::string(dir) + "/2.out", -1, 64, 0, &r, &error));
   CHECK(error.find("no log at") != std::string::npos);
+  // Something other than a log file at the path (a FIFO nobody writes) is left alone at once.
+  const std::string fifo = std::string(dir) + "/3.out";
+  REQUIRE(mkfifo(fifo.c_str(), 0600) == 0);
+  uint64_t fifo_kept = 0;
+  const bb::daemon::LogBound f = bound_log(fifo, 65536, &fifo_kept, &error);
+  CHECK_FALSE(f.failed);
+  CHECK(f.dropped == 0);
+  unlink(fifo.c_str());
   unlink(path.c_str());
   rmdir(dir);
 }

@@ -6,6 +6,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/stat.h>
@@ -45,8 +46,8 @@ class Child {
   explicit Child(const std::vector<std::string>& argv, bool with_stdin = false) {
     int p[2], in[2] = {-1, -1};
     if (pipe2(p, O_CLOEXEC) != 0) throw std::runtime_error("pipe2");
-    // A child that exited makes a write to its stdin fail with EPIPE, not kill the test.
-    if (with_stdin) ::signal(SIGPIPE, SIG_IGN);
+    // A child that exited makes a write to its stdin fail with EPIPE, not kill the test: the
+    // write blocks SIGPIPE for its duration (write_stdin).
     if (with_stdin && pipe2(in, O_CLOEXEC) != 0) {
       close(p[0]);
       close(p[1]);
@@ -59,7 +60,19 @@ class Child {
     std::vector<char*> args;
     for (auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
     args.push_back(nullptr);
-    const int rc = posix_spawn(&pid_, args[0], &fa, nullptr, args.data(), environ);
+    // Every child starts with no signal blocked and SIGPIPE at its default, whatever the test
+    // process or whoever started it had.
+    posix_spawnattr_t attr;
+    posix_spawnattr_init(&attr);
+    sigset_t none, pipe_only;
+    sigemptyset(&none);
+    sigemptyset(&pipe_only);
+    sigaddset(&pipe_only, SIGPIPE);
+    posix_spawnattr_setsigmask(&attr, &none);
+    posix_spawnattr_setsigdefault(&attr, &pipe_only);
+    posix_spawnattr_setflags(&attr, POSIX_SPAWN_SETSIGMASK | POSIX_SPAWN_SETSIGDEF);
+    const int rc = posix_spawn(&pid_, args[0], &fa, &attr, args.data(), environ);
+    posix_spawnattr_destroy(&attr);
     posix_spawn_file_actions_destroy(&fa);
     close(p[1]);
     out_ = p[0];
@@ -81,17 +94,28 @@ class Child {
     }
     if (out_ >= 0) close(out_);
   }
-  // Writes text to the child's stdin (a Child made with_stdin); false if it could not.
+  // Writes text to the child's stdin (a Child made with_stdin); false if it could not (also when
+  // the child has exited: the SIGPIPE that write raises is blocked and taken back here).
   bool write_stdin(const std::string& text) {
     if (in_ < 0) return false;
+    sigset_t pipe_only, old;
+    sigemptyset(&pipe_only);
+    sigaddset(&pipe_only, SIGPIPE);
+    pthread_sigmask(SIG_BLOCK, &pipe_only, &old);
     size_t done = 0;
-    while (done < text.size()) {
+    bool ok = true;
+    while (ok && done < text.size()) {
       const ssize_t n = write(in_, text.data() + done, text.size() - done);
       if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return false;
-      done += size_t(n);
+      if (n <= 0) ok = false;
+      else done += size_t(n);
     }
-    return true;
+    if (!ok && errno == EPIPE) {
+      const timespec now{0, 0};
+      sigtimedwait(&pipe_only, nullptr, &now);  // the SIGPIPE this thread raised
+    }
+    pthread_sigmask(SIG_SETMASK, &old, nullptr);
+    return ok;
   }
   Child(const Child&) = delete;
   Child& operator=(const Child&) = delete;
