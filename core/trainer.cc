@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "core/clock.h"
+#include "core/closer.h"
 #include "core/error.h"
 #include "core/grant_wire.h"
 #include "core/paths.h"
@@ -88,6 +89,12 @@ struct Trainer::Conn {
   uint64_t hello_deadline_ns = 0;
   int slot = -1;
   uint32_t uid = 0;
+  // A peer's connection may still hold descriptors it sent (a kernel before 6.16): closed off
+  // the service thread, like those it reads (core/closer.h).
+  ~Conn() {
+    const int f = fd.release();
+    close_elsewhere(&f, 1);
+  }
 };
 
 namespace {
@@ -731,8 +738,8 @@ void Trainer::task_message(Conn& c) {
   for (int k = 0; k < kMaxTaskMessages; ++k) {
     alignas(8) char buf[shm::kWireMaxMessage];
     int fds[2], nfds;
-    const long n = shm::recv_msg(c.fd.get(), buf, fds, &nfds, MSG_DONTWAIT);
-    for (int f = 0; f < nfds; ++f) close(fds[f]);
+    const long n = shm::recv_msg(c.fd.get(), buf, fds, &nfds, MSG_DONTWAIT, close_elsewhere);
+    close_elsewhere(fds, size_t(nfds));  // a task sends no descriptors
     if (n == -EAGAIN || n == -EWOULDBLOCK) return;
     if (n <= 0) {
       reclaim(slot, false);  // resets c
@@ -778,8 +785,8 @@ void Trainer::accept_all() {
 void Trainer::handle_hello(Conn& c) {
   alignas(8) char buf[shm::kWireMaxMessage];
   int fds[2], nfds;
-  const long n = shm::recv_msg(c.fd.get(), buf, fds, &nfds);
-  for (int f = 0; f < nfds; ++f) close(fds[f]);  // a hello carries no descriptors
+  const long n = shm::recv_msg(c.fd.get(), buf, fds, &nfds, 0, close_elsewhere);
+  close_elsewhere(fds, size_t(nfds));  // a hello carries no descriptors
   if (n == -EAGAIN) return;
   auto reply_error = [&](bb_status st, const char* text) {
     auto r = shm::make_msg<shm::AttachReplyMsg>(shm::MsgType::kAttachReply);
@@ -987,8 +994,8 @@ void Trainer::attach_task(Conn& c, const void* raw) {
 void Trainer::handle_observer_request(Conn& c) {
   alignas(8) char buf[shm::kWireMaxMessage];
   int fds[2], nfds;
-  const long n = shm::recv_msg(c.fd.get(), buf, fds, &nfds);
-  for (int f = 0; f < nfds; ++f) close(fds[f]);
+  const long n = shm::recv_msg(c.fd.get(), buf, fds, &nfds, 0, close_elsewhere);
+  close_elsewhere(fds, size_t(nfds));  // a request carries no descriptors
   if (n == -EAGAIN) return;
   Conn* self = &c;
   auto drop = [&] {

@@ -4,6 +4,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -27,11 +28,19 @@ union ControlBuffer {
   cmsghdr align;
 };
 
-void close_all(int* fds, size_t n) {
-  for (size_t i = 0; i < n; ++i) {
+// The most descriptors the kernel lets one sendmsg carry (SCM_MAX_FD).
+constexpr size_t kKernelMaxFds = 253;
+
+// Room for every descriptor one message can carry: the kernel then hands each one over rather
+// than dropping what does not fit, which would close it in the receiving thread.
+union ReceiveBuffer {
+  char buf[CMSG_SPACE(sizeof(int) * kKernelMaxFds)];
+  cmsghdr align;
+};
+
+void close_each(const int* fds, size_t n) {
+  for (size_t i = 0; i < n; ++i)
     if (fds[i] >= 0) ::close(fds[i]);
-    fds[i] = -1;
-  }
 }
 
 }  // namespace
@@ -62,27 +71,29 @@ int send_with_fds(int sock, const void* data, size_t len, const int* fds, size_t
 }
 
 long recv_with_fds(int sock, void* data, size_t cap, int* fds, size_t max_fds, size_t* nfds,
-                   int flags, RecvProblem* problem) {
+                   int flags, RecvProblem* problem, DisposeFds dispose) {
   *nfds = 0;
   *problem = RecvProblem::kNone;
   if (max_fds > kMaxPassedFds || (max_fds && !fds)) return -EINVAL;
+  if (!dispose) dispose = close_each;
   for (size_t i = 0; i < max_fds; ++i) fds[i] = -1;
   iovec iov{data, cap};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  // Room for exactly max_fds descriptors: any more and the kernel sets MSG_CTRUNC and drops the
-  // excess, which we report. With max_fds == 0 there is no control buffer at all, so a peer that
-  // sends descriptors anyway is caught the same way.
-  ControlBuffer control;
-  msg.msg_control = max_fds ? control.buf : nullptr;
-  msg.msg_controllen = max_fds ? CMSG_SPACE(sizeof(int) * max_fds) : 0;
+  // Room for every descriptor a message can carry, whatever max_fds is: the kernel drops what
+  // does not fit, and dropping closes it here, which can block. Whatever is not kept goes to
+  // dispose instead.
+  ReceiveBuffer control;
+  msg.msg_control = control.buf;
+  msg.msg_controllen = sizeof control.buf;
   ssize_t n;
   do {
     n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC | flags);
   } while (n < 0 && errno == EINTR);
   if (n < 0) return -long(errno);
   // Collect every SCM_RIGHTS descriptor first so that nothing leaks on any failure below.
+  int extra[kKernelMaxFds];
   size_t got = 0, dropped = 0;
   bool foreign = false;
   for (cmsghdr* c = msg.msg_controllen ? CMSG_FIRSTHDR(&msg) : nullptr; c;
@@ -97,17 +108,21 @@ long recv_with_fds(int sock, void* data, size_t cap, int* fds, size_t max_fds, s
       std::memcpy(&fd, CMSG_DATA(c) + i * sizeof(int), sizeof fd);
       if (got < max_fds) {
         fds[got++] = fd;
+      } else if (dropped < kKernelMaxFds) {
+        extra[dropped++] = fd;
       } else {
-        ::close(fd);
+        dispose(&fd, 1);
         ++dropped;
       }
     }
   }
+  if (dropped) dispose(extra, std::min(dropped, kKernelMaxFds));
   if ((msg.msg_flags & MSG_CTRUNC) || dropped) *problem = RecvProblem::kTooManyFds;
   else if (msg.msg_flags & MSG_TRUNC) *problem = RecvProblem::kTooLong;
   else if (foreign) *problem = RecvProblem::kForeign;
   if (*problem != RecvProblem::kNone) {
-    close_all(fds, got);
+    dispose(fds, got);
+    for (size_t i = 0; i < got; ++i) fds[i] = -1;
     return long(n);
   }
   *nfds = got;

@@ -30,12 +30,18 @@ int send_with_fds(int sock, const void* data, size_t len, const int* fds, size_t
 
 enum class RecvProblem { kNone, kTooManyFds, kTooLong, kForeign };
 
+// What a receiver does with descriptors it does not keep: by default (nullptr) they are closed at
+// once. A receiver that must never block (the hub's service thread) passes one that closes them
+// on another thread: the close of some blocks (see refuse_passed_fds).
+using DisposeFds = void (*)(const int* fds, size_t n);
+
 // Receives one message of at most cap bytes with at most max_fds (<= kMaxPassedFds)
 // close-on-exec descriptors, retrying EINTR. Returns the byte count (0: the peer closed) or
 // -errno. When the message broke the bounds (*problem != kNone) every descriptor that came with
-// it is closed and *nfds is 0.
+// it goes to dispose and *nfds is 0. The kernel is given room for every descriptor a message can
+// carry, so it never drops (and so closes, in this thread) any of them itself.
 long recv_with_fds(int sock, void* data, size_t cap, int* fds, size_t max_fds, size_t* nfds,
-                   int flags, RecvProblem* problem);
+                   int flags, RecvProblem* problem, DisposeFds dispose = nullptr);
 
 // Sends len bytes (1..64 KiB) and nfds descriptors (0..kMaxPassedFds) as one message. The
 // descriptors stay open in the sender. Retries EINTR; on a non-blocking socket that is full,

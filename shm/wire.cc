@@ -14,10 +14,11 @@ int send_msg(int sock, const void* msg, size_t size, const int* fds, int nfds, i
   return send_with_fds(sock, msg, size, fds, size_t(nfds), flags);
 }
 
-long recv_msg(int sock, void* buf, int* fds, int* nfds, int flags) {
+long recv_msg(int sock, void* buf, int* fds, int* nfds, int flags, DisposeFds dispose) {
   size_t got = 0;
   RecvProblem problem;
-  const long n = recv_with_fds(sock, buf, kWireMaxMessage, fds, 2, &got, flags, &problem);
+  const long n =
+      recv_with_fds(sock, buf, kWireMaxMessage, fds, 2, &got, flags, &problem, dispose);
   *nfds = int(got);
   if (n < 0) return n;
   return problem == RecvProblem::kNone ? n : -EMSGSIZE;

@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "shm/fd_passing.h"
 #include "shm/layout.h"
 
 namespace bb::shm {
@@ -103,8 +104,10 @@ int send_msg(int sock, const void* msg, size_t size, const int* fds, int nfds, i
 // Receives one message (blocking per the socket's mode, or not with flags = MSG_DONTWAIT) into
 // buf (kWireMaxMessage bytes) and up to 2 descriptors (CLOEXEC; unused slots set to -1). Returns
 // the message size, 0 on EOF, or -errno. A message too long, with more than 2 descriptors or
-// with other ancillary data gives -EMSGSIZE and closes every descriptor that came with it.
-long recv_msg(int sock, void* buf, int* fds, int* nfds, int flags = 0);
+// with other ancillary data gives -EMSGSIZE and hands every descriptor that came with it to
+// dispose (recv_with_fds; nullptr: closed at once).
+long recv_msg(int sock, void* buf, int* fds, int* nfds, int flags = 0,
+              DisposeFds dispose = nullptr);
 
 // Checks magic, version, type and size of a received message. Returns false when it is not a
 // well-formed message of that type.

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <vector>
 
 #include "shm/fd_passing.h"
 #include "test_grant_support.h"
@@ -193,5 +194,63 @@ TEST_CASE("pidfd_get_fd takes a descriptor out of a child process") {
   waitpid(pid, nullptr, 0);
   close(ready[0]);
   close(ready[1]);
+  CHECK(count_open_fds() == before);
+}
+
+namespace {
+
+std::vector<int> g_disposed;
+void record_disposed(const int* fds, size_t n) { g_disposed.insert(g_disposed.end(), fds, fds + n); }
+
+// Sends n descriptors in one message with sendmsg itself (send_fds stops at kMaxPassedFds, a
+// hostile peer does not).
+void send_many(int sock, const std::vector<int>& fds) {
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * fds.size()));
+  char one = 'x';
+  iovec iov{&one, 1};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = control.data();
+  msg.msg_controllen = control.size();
+  cmsghdr* c = CMSG_FIRSTHDR(&msg);
+  c->cmsg_level = SOL_SOCKET;
+  c->cmsg_type = SCM_RIGHTS;
+  c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+  std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * fds.size());
+  REQUIRE(sendmsg(sock, &msg, 0) == 1);
+}
+
+}  // namespace
+
+TEST_CASE("every descriptor of a message that broke its bounds goes to the receiver's dispose") {
+  // The kernel closes what does not fit the receiver's control buffer, in the receiving thread,
+  // where a close can block; the receiver takes them all and hands them on instead.
+  const int before = count_open_fds();
+  {
+    SocketPair sp;
+    std::vector<int> sent;
+    for (int i = 0; i < 200; ++i) sent.push_back(memfd_with("many"));
+    send_many(sp.a, sent);
+    send_many(sp.a, std::vector<int>(sent.begin(), sent.begin() + 5));
+    for (int fd : sent) close(fd);
+    char buf[8];
+    int got[2];
+    size_t n = 9;
+    bb::shm::RecvProblem problem;
+    for (size_t max_fds : {size_t(2), size_t(0)}) {  // two too many, and any at all
+      g_disposed.clear();
+      const long len = bb::shm::recv_with_fds(sp.b, buf, sizeof buf, max_fds ? got : nullptr,
+                                              max_fds, &n, 0, &problem, record_disposed);
+      CHECK(len == 1);
+      CHECK(problem == bb::shm::RecvProblem::kTooManyFds);
+      CHECK(n == 0);
+      CHECK(g_disposed.size() == (max_fds ? 200u : 5u));
+      for (int fd : g_disposed) {
+        CHECK(fcntl(fd, F_GETFD) == FD_CLOEXEC);  // open, handed over, close-on-exec
+        close(fd);
+      }
+    }
+  }
   CHECK(count_open_fds() == before);
 }

@@ -119,7 +119,9 @@ BB_API void bb_trainer_options_init(bb_trainer_options_t *opts);
  * 0..65535). A hub left by a dead trainer with the same name is cleaned up and replaced;
  * one owned by a live trainer gives BB_E_BUSY. opts may be NULL (defaults). Starts the hub's
  * service thread, named "bb-hub", which blocks every asynchronous signal: a signal sent to the
- * process is left to the application's own threads (fault signals stay open). */
+ * process is left to the application's own threads (fault signals stay open). The first
+ * connection a hub is done with also starts "bb-closer", which closes what peers handed the hub
+ * (masked the same way, and living until the process exits). */
 BB_API bb_status bb_trainer_open(const char *job_id, uint32_t rank,
                                  const bb_trainer_options_t *opts, bb_trainer_h *out);
 /* Stops every attached task (they see BB_E_TRAINER_GONE or re-attach, by their option), removes
