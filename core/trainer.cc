@@ -90,9 +90,12 @@ struct Trainer::Conn {
   int slot = -1;
   uint32_t uid = 0;
   // A peer's connection may still hold descriptors it sent (a kernel before 6.16): closed off
-  // the service thread, like those it reads (core/closer.h).
+  // the service thread, like those it reads (core/closer.h). Shut down here first, which never
+  // blocks and lets go of nothing in flight: the peer sees the end at once.
   ~Conn() {
     const int f = fd.release();
+    if (f < 0) return;
+    ::shutdown(f, SHUT_RDWR);
     close_elsewhere(&f, 1);
   }
 };
@@ -237,7 +240,8 @@ Trainer::~Trainer() { shutdown(); }
 void Trainer::shutdown() {
   if (hub_.base) {
     // Tell every task the trainer is leaving: they return BB_E_TRAINER_GONE or wait for a new
-    // trainer, by their option. Their connections close below, which they also notice.
+    // trainer, by their option. Their connections are shut down below (and closed by the closer
+    // thread), which they also notice.
     hub_.stats()->closing.store(1, std::memory_order_release);
     for (uint32_t i = 0; i < opts_.max_slots; ++i) {
       SlotCtl* c = hub_.slot(i);
