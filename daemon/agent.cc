@@ -59,12 +59,8 @@ std::string Agent::start(uv_loop_t* loop) {
   }
   std::string e = store_.open(cfg_.state_dir + "/bubbled.db");
   if (!e.empty()) return e;
-  prune_timer_ = new uv_timer_t;
-  uv_timer_init(loop_, prune_timer_);
-  prune_timer_->data = this;
-  log_timer_ = new uv_timer_t;
-  uv_timer_init(loop_, log_timer_);
-  log_timer_->data = this;
+  prune_timer_ = new_timer(loop_, this);
+  log_timer_ = new_timer(loop_, this);
   readopt_tasks();
   e = start_metrics();
   if (!e.empty()) return e;

@@ -220,6 +220,14 @@ class Agent {
   int retry_round_ = 0;
 };
 
+// A timer allocated with new, initialised on loop, carrying data; freed with close_and_delete.
+inline uv_timer_t* new_timer(uv_loop_t* loop, void* data) {
+  auto* t = new uv_timer_t;
+  uv_timer_init(loop, t);
+  t->data = data;
+  return t;
+}
+
 // Closes a uv handle allocated with new and deletes it once libuv is done with it.
 template <typename T>
 void close_and_delete(T* h) {

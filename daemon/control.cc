@@ -548,9 +548,7 @@ void track_owed(Conn* c, bool progressed) {
   if (owes && c->timer && progressed) {
     uv_timer_start(c->timer, on_owed_timeout, kOwedBytesTimeoutMs, 0);  // restarts it
   } else if (owes && !c->timer) {
-    c->timer = new uv_timer_t;
-    uv_timer_init(c->pipe.loop, c->timer);
-    c->timer->data = c;
+    c->timer = new_timer(c->pipe.loop, c);
     uv_timer_start(c->timer, on_owed_timeout, kOwedBytesTimeoutMs, 0);
   } else if (!owes && c->timer) {
     uv_timer_stop(c->timer);

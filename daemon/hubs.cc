@@ -68,12 +68,8 @@ std::string Agent::start_hub_watch() {
   if (rc < 0) {
     return "cannot watch the hub directory " + cfg_.runtime_dir + ": " + uv_strerror(rc);
   }
-  tick_ = new uv_timer_t;
-  uv_timer_init(loop_, tick_);
-  tick_->data = this;
-  retry_timer_ = new uv_timer_t;
-  uv_timer_init(loop_, retry_timer_);
-  retry_timer_->data = this;
+  tick_ = new_timer(loop_, this);
+  retry_timer_ = new_timer(loop_, this);
   scan_hubs();
   return "";
 }

@@ -521,11 +521,7 @@ void Agent::terminate(TaskRow* row, const std::string& why) {
   if (!lt) return;
   lt->stop_stage = asked ? 0 : 1;
   if (!asked) signal_task(*row, SIGTERM);
-  if (!lt->stop_timer) {
-    lt->stop_timer = new uv_timer_t;
-    uv_timer_init(loop_, lt->stop_timer);
-    lt->stop_timer->data = lt;
-  }
+  if (!lt->stop_timer) lt->stop_timer = new_timer(loop_, lt);
   uv_timer_start(lt->stop_timer, TaskCallbacks::on_stop_timer, cfg_.stop_timeout_ns / 1'000'000,
                  0);
 }
