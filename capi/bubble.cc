@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstring>
+#include <vector>
 #include <memory>
 #include <new>
 
@@ -163,11 +164,34 @@ bb_status bb_trainer_tasks(bb_trainer_h trainer, bb_task_info_t* out, size_t cap
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
   if (!count) return fail(BB_E_INVALID, "count is NULL");
   if (cap > 0 && !out) return fail(BB_E_INVALID, "out is NULL but cap is %zu", cap);
-  for (size_t i = 0; i < cap; ++i)
-    if (out[i].size != sizeof(bb_task_info_t))
-      return fail(BB_E_INVALID, "out[%zu].size is %u, expected %zu: set size in every element",
-                  i, out[i].size, sizeof(bb_task_info_t));
-  BB_GUARD(return trainer->impl->tasks(out, cap, count));
+  // The elements' size is the array's stride: a caller built against an older, shorter
+  // bb_task_info_t passes its own and gets the fields it knows (a newer, longer one keeps what
+  // lies past ours), as with every other out-struct.
+  char* const base = reinterpret_cast<char*>(out);
+  auto size_at = [&](size_t i, uint32_t stride) {
+    uint32_t size;
+    std::memcpy(&size, base + i * stride, sizeof size);
+    return size;
+  };
+  const uint32_t stride = cap ? size_at(0, 0) : 0;
+  if (cap && stride < sizeof(uint32_t) * 2)
+    return fail(BB_E_INVALID, "out[0].size is %u: set it to sizeof(bb_task_info_t) in every "
+                "element before the call", stride);
+  for (size_t i = 1; i < cap; ++i)
+    if (size_at(i, stride) != stride)
+      return fail(BB_E_INVALID, "out[%zu].size is %u but out[0].size is %u: set the same size "
+                  "(sizeof(bb_task_info_t)) in every element", i, size_at(i, stride), stride);
+  BB_GUARD({
+    std::vector<bb_task_info_t> all(cap);
+    for (auto& t : all) t.size = sizeof t;
+    const bb_status st = trainer->impl->tasks(all.data(), cap, count);
+    if (st != BB_OK) return st;
+    for (size_t i = 0; i < cap && i < *count; ++i) {
+      std::memcpy(base + i * stride, &all[i], std::min<size_t>(stride, sizeof all[i]));
+      std::memcpy(base + i * stride, &stride, sizeof stride);
+    }
+    return BB_OK;
+  });
 }
 
 bb_status bb_trainer_stop_task(bb_trainer_h trainer, uint64_t task_id) {

@@ -31,7 +31,7 @@ trap cleanup EXIT INT TERM
 
 # The node agent watches the hubs (it adopts the side tasks started below), polices pauses and
 # draws the timeline. Its pause grace is raised from 5 ms to 25 ms here: the demo packs 4
-# trainers, 8 side tasks and the agent onto whatever cores the machine has (2 on a small VM), so
+# trainers, 5 side tasks and the agent onto whatever cores the machine has (2 on a small VM), so
 # a task can be descheduled for a few milliseconds through no fault of its own.
 "$bin/daemon/bubbled" --state-dir "$run/state" --metrics-port 0 --grace-ms 25 \
   > "$run/bubbled.log" 2>&1 &

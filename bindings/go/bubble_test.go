@@ -276,6 +276,15 @@ func TestStepErrorComesBackFromRun(t *testing.T) {
 	if !errors.Is(r.err, ErrCallbackFailed) || !errors.Is(r.err, errLost) {
 		t.Fatalf("want ErrCallbackFailed wrapping errLost, got %v", r.err)
 	}
+	// Finish still ran, told how the run ended: its cleanup is not skipped.
+	select {
+	case err := <-c.finished:
+		if !errors.Is(err, ErrCallbackFailed) {
+			t.Fatalf("finish got %v, want ErrCallbackFailed", err)
+		}
+	default:
+		t.Fatal("Finish was not called after Step failed")
+	}
 }
 
 func TestStepPanicIsRepanickedAfterRun(t *testing.T) {
@@ -288,6 +297,11 @@ func TestStepPanicIsRepanickedAfterRun(t *testing.T) {
 	tr.End()
 	if r.err == nil || r.err.Error() != "panic: on purpose" {
 		t.Fatalf("want the step's panic, got %v", r.err)
+	}
+	select {
+	case <-c.finished:
+	default:
+		t.Fatal("Finish was not called after Step panicked")
 	}
 }
 

@@ -15,22 +15,33 @@ import (
 // The C side (callbacks.c) passes the cgo.Handle of a runState as the user pointer.
 func stateOf(user C.uintptr_t) *runState { return cgo.Handle(user).Value().(*runState) }
 
-// guarded runs one SideTask method; an error or panic is kept for Run and reported to C as -1,
-// since a panic must not unwind through the C frames of bb_task_run.
-func guarded(user C.uintptr_t, f func(*runState) (C.int, error)) (rc C.int) {
+// guarded runs one SideTask method, unless an earlier one failed (the runtime is then ending the
+// run and only Finish is still called).
+func guarded(user C.uintptr_t, f func(*runState) (C.int, error)) C.int {
 	st := stateOf(user)
 	if st.err != nil || st.panic != nil {
 		return -1
 	}
+	return protect(st, f)
+}
+
+// protect runs f; an error or panic is kept for Run (the first one: a later one from Finish
+// does not hide it) and reported to C as -1, since a panic must not unwind through the C frames
+// of bb_task_run.
+func protect(st *runState, f func(*runState) (C.int, error)) (rc C.int) {
 	defer func() {
 		if p := recover(); p != nil {
-			st.panic = p
+			if st.panic == nil && st.err == nil {
+				st.panic = p
+			}
 			rc = -1
 		}
 	}()
 	v, err := f(st)
 	if err != nil {
-		st.err = err
+		if st.err == nil && st.panic == nil {
+			st.err = err
+		}
 		return -1
 	}
 	return v
@@ -86,7 +97,8 @@ func bubbleGoResume(user C.uintptr_t) C.int {
 
 //export bubbleGoFinish
 func bubbleGoFinish(user C.uintptr_t, status C.bb_status) {
-	guarded(user, func(st *runState) (C.int, error) {
+	// Always called, also after another method failed: a Finisher's cleanup must run.
+	protect(stateOf(user), func(st *runState) (C.int, error) {
 		if f, ok := st.task.(Finisher); ok {
 			var err error
 			if status != C.BB_OK {

@@ -104,7 +104,10 @@ type Pauser interface{ Pause() error }
 // Resumer is called when a bubble starts, before the first step in it.
 type Resumer interface{ Resume() error }
 
-// Finisher is called once when Run ends, with nil or the error Run is about to report.
+// Finisher is called once when Run ends, also after another method failed or panicked, so its
+// cleanup always runs. err is nil when the task finished by itself, else the Status the run
+// ended with: ErrStopped when it was told to stop (Run then returns Stopped and a nil error),
+// ErrTrainerGone, or ErrCallbackFailed after a method failed (Run returns that method's error).
 type Finisher interface{ Finish(err error) }
 
 // Task is a side task's attachment to one hub. Use it from one goroutine at a time.

@@ -194,15 +194,21 @@ TEST_CASE("iterative: step() returning done finishes the run") {
   CHECK(ct.finished_with == bubble::status::OK);
 }
 
-TEST_CASE("an exception thrown by step() comes out of run() unchanged") {
+TEST_CASE("an exception thrown by step() comes out of run() unchanged, and finish() still runs") {
   struct throwing : bubble::side_task {
+    std::atomic<int> finishes{0};
+    bubble::status finished_with = bubble::status::OK;
     bubble::step_result step(const bubble::step_info&) override { throw step_failure("boom"); }
+    void finish(bubble::status s) override {
+      finished_with = s;
+      ++finishes;
+    }
   };
   auto job = unique_job();
   bubble::trainer t(job, 0);
+  throwing th;
   auto run = std::async(std::launch::async, [&] {
     bubble::task k(job, 0, "thrower");
-    throwing th;
     return k.run(th);
   });
   REQUIRE(eventually([&] { return t.tasks().size() == 1; }));
@@ -210,6 +216,9 @@ TEST_CASE("an exception thrown by step() comes out of run() unchanged") {
   REQUIRE(run.wait_for(20s) == std::future_status::ready);
   t.end();
   CHECK_THROWS_AS(run.get(), step_failure);
+  // Its cleanup is not skipped: finish() ran once, told how the run ended.
+  CHECK(th.finishes == 1);
+  CHECK(th.finished_with == bubble::status::E_CALLBACK);
 }
 
 #ifdef BUBBLE_HPP_CONCEPTS

@@ -265,6 +265,42 @@ TEST_CASE("attach_without_trainer_says_so") {
   CHECK(std::string(bb_last_error()).find("start the trainer first") != std::string::npos);
 }
 
+TEST_CASE("trainer_tasks_takes_the_element_size_as_the_stride") {
+  RuntimeDir dir;
+  Trainer t("stride");
+  Child task(task_args("stride", "older", "attach-only"));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(eventually([&] { return t.stats().tasks_attached == 1; }));
+  // A caller built against a header whose bb_task_info_t ended before mem_need.
+  constexpr uint32_t kOld = offsetof(bb_task_info_t, mem_need);
+  alignas(8) unsigned char buf[3 * kOld + 8];
+  std::memset(buf, 0xab, sizeof buf);
+  for (uint32_t i = 0; i < 3; ++i) std::memcpy(buf + i * kOld, &kOld, sizeof kOld);
+  size_t n = 0;
+  REQUIRE(bb_trainer_tasks(t.h, reinterpret_cast<bb_task_info_t*>(buf), 3, &n) == BB_OK);
+  CHECK(n == 1);
+  bb_task_info_t first;
+  std::memcpy(&first, buf, kOld);
+  CHECK(first.size == kOld);
+  CHECK(first.pid == task.pid());
+  CHECK(first.id != 0);
+  // Nothing past the fields it knows is written: the next element and the bytes after the
+  // array are as they were.
+  uint32_t second_size;
+  std::memcpy(&second_size, buf + kOld, sizeof second_size);
+  CHECK(second_size == kOld);
+  bool untouched = true;
+  for (size_t b = kOld; b < sizeof buf; ++b)
+    if (b % kOld >= sizeof(uint32_t) || b >= 3 * kOld) untouched &= buf[b] == 0xab;
+  CHECK(untouched);
+  // Elements of different sizes are refused, with the reason.
+  const uint32_t other = 16;
+  std::memcpy(buf + kOld, &other, sizeof other);
+  CHECK(bb_trainer_tasks(t.h, reinterpret_cast<bb_task_info_t*>(buf), 3, &n) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("out[1].size is 16 but out[0].size is 24") !=
+        std::string::npos);
+}
+
 TEST_CASE("full_slot_table_refuses_with_a_clear_error") {
   RuntimeDir dir;
   const auto shm_before = bbtest::dev_shm();

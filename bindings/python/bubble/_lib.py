@@ -180,11 +180,25 @@ def _candidates() -> list[str]:
     return found + [system or "libbubble.so.0", "libbubble.so"]
 
 
+# Calls that never block are made holding the GIL (through ctypes.PyDLL). A call through
+# ctypes.CDLL gives the GIL up and must take it back afterwards, which can wait a whole switch
+# interval (5 ms) while another Python thread runs: too long for a bubble's begin or end. The
+# rest (attach, waits, run, close, anything that may wait on the hub's service thread) give it
+# up, so other Python threads run meanwhile.
+HOLDS_GIL = frozenset({
+    "bb_status_name", "bb_status_str", "bb_last_error", "bb_version", "bb_now_ns",
+    "bb_trainer_options_init", "bb_schedule_init", "bb_task_options_init",
+    "bb_task_callbacks_init", "bb_lend_options_init", "bb_bubble_begin", "bb_bubble_end",
+    "bb_trainer_iteration", "bb_task_should_pause", "bb_task_report_step", "bb_task_time_left",
+})
+
+
 def _load() -> ctypes.CDLL:
     errors = []
     for path in _candidates():
         try:
             lib = ctypes.CDLL(path)
+            holding = ctypes.PyDLL(path)
             break
         except OSError as exc:
             errors.append(f"{path}: {exc}")
@@ -194,9 +208,10 @@ def _load() -> ctypes.CDLL:
             "the path of libbubble.so, copy it next to the bubble package, or install it where "
             "the system loader finds it.")
     for name, (restype, argtypes) in _SIGNATURES.items():
-        fn = getattr(lib, name)
+        fn = getattr(holding if name in HOLDS_GIL else lib, name)
         fn.restype = restype
         fn.argtypes = argtypes
+        setattr(lib, name, fn)
     return lib
 
 

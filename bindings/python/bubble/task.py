@@ -147,8 +147,10 @@ class Task:
         trainer leaves. Re-raises whatever a SideTask method raised."""
         raised: list[BaseException] = []
 
-        def guard(fn, *args) -> int:
-            if raised:
+        def guard(fn, *args, always: bool = False) -> int:
+            # After a method raised, the runtime is ending the run: only finish is still
+            # called (always), so its cleanup runs; what raised first is what run re-raises.
+            if raised and not always:
                 return -1
             try:
                 fn(*args)
@@ -178,7 +180,7 @@ class Task:
         def finish(_user, status) -> None:
             with contextlib.suppress(ValueError):
                 status = Status(status)
-            guard(side_task.finish, status)
+            guard(side_task.finish, status, always=True)
 
         # The CFUNCTYPE objects must outlive bb_task_run: they are held in locals until it returns.
         cbs = _lib.TaskCallbacks()
@@ -256,7 +258,9 @@ class Task:
 
     def bubbles(self) -> Iterator[StartInfo]:
         """`for start in task.bubbles(): ...` runs the body once per bubble and acks the pause
-        after it; the loop ends when the task is told to stop."""
+        after it; the loop ends when the task is told to stop. A body that leaves the loop
+        (break, return, an exception) acks its bubble too, so the trainer is not left waiting
+        for it (and a grant being revoked is given back)."""
         while True:
             try:
                 start = self.wait_start()
@@ -265,5 +269,12 @@ class Task:
                     return
                 raise
             assert start is not None
-            yield start
+            try:
+                yield start
+            except BaseException:
+                try:
+                    self.ack_pause()
+                except BubbleError:
+                    pass  # what ended the loop is the error worth reporting
+                raise
             self.ack_pause()

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import ctypes
 import threading
 
 import pytest
@@ -87,18 +88,26 @@ def test_step_returning_true_finishes_the_run(job):
     assert side.finished_with is bubble.Status.OK
 
 
-def test_an_exception_in_step_is_re_raised_by_run(job):
+def test_an_exception_in_step_is_re_raised_by_run_and_finish_still_runs(job):
     class Broken(bubble.SideTask):
+        finished_with: bubble.Status | None = None
+
         def step(self, info):
             raise KeyError("lost")
 
+        def finish(self, status):
+            self.finished_with = status
+
+    broken = Broken()
     with bubble.Trainer(job, 0) as trainer:
-        runner = run_in_background(job, "broken", Broken())
+        runner = run_in_background(job, "broken", broken)
         assert eventually(lambda: len(trainer.tasks()) == 1)
         trainer.bubble_begin(0.05)
         with pytest.raises(KeyError, match="lost"):
             runner.join_result()
         trainer.bubble_end()
+    # Its cleanup is not skipped: finish ran, told how the run ended.
+    assert broken.finished_with is bubble.Status.E_CALLBACK
 
 
 def test_bubbles_iterator_ends_when_the_task_is_stopped(job):
@@ -117,6 +126,31 @@ def test_bubbles_iterator_ends_when_the_task_is_stopped(job):
         trainer.stop_task(trainer.tasks()[0].id)
         runner.join_result()
     assert len(set(seen)) == 2
+
+
+def test_the_bubble_calls_hold_the_gil_and_the_waits_give_it_up():
+    from bubble._lib import lib
+    holds = lambda fn: bool(type(fn)._flags_ & ctypes._FUNCFLAG_PYTHONAPI)  # noqa: E731
+    for name in ("bb_bubble_begin", "bb_bubble_end", "bb_trainer_iteration",
+                 "bb_task_should_pause", "bb_task_report_step", "bb_task_time_left"):
+        assert holds(getattr(lib, name)), name
+    for name in ("bb_task_wait_start", "bb_task_run", "bb_task_attach", "bb_trainer_close",
+                 "bb_trainer_stats"):
+        assert not holds(getattr(lib, name)), name
+
+
+def test_leaving_the_bubbles_loop_early_still_acks_the_pause(job):
+    with bubble.Trainer(job, 0) as trainer, bubble.Task(job, 0, "leaver") as task:
+        assert eventually(lambda: len(trainer.tasks()) == 1)
+        trainer.bubble_begin(0.05, kind=bubble.BubbleKind.STEADY)
+        loop = task.bubbles()
+        start = next(loop)
+        trainer.bubble_end()
+        assert eventually(task.should_pause)
+        loop.close()  # what a `break` out of the for loop does
+        # The ack reached the trainer: it timed the pause.
+        assert eventually(lambda: trainer.stats().pause_latency_p50_ns > 0)
+        assert start.bubble_seq >= 1
 
 
 def test_tasks_lists_attached_tasks_and_detach_removes_them(job):

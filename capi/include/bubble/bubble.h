@@ -245,7 +245,8 @@ typedef struct bb_task_info_t {
 } bb_task_info_t;
 
 /* Copies up to cap attached tasks into out (out may be NULL when cap is 0); *count receives the
- * number attached, which may exceed cap. */
+ * number attached, which may exceed cap. Set size to sizeof(bb_task_info_t) in every element:
+ * it is the array's stride, so a binary built against an older header gets the fields it knows. */
 BB_API bb_status bb_trainer_tasks(bb_trainer_h trainer, bb_task_info_t *out, size_t cap,
                                   size_t *count);
 /* Tells one task (by bb_task_info_t.id) to stop; it finishes and detaches. */

@@ -545,15 +545,17 @@ class task {
     T& task;
     std::exception_ptr failure;
 
+    // Runs one method, unless an earlier one threw (the runtime is then ending the run; only
+    // finish is still called, with always set, so its cleanup runs). Exceptions must not unwind
+    // through C frames: the first is carried across and rethrown in run().
     template <typename F>
-    static int guarded(void* user, F&& f) noexcept {
+    static int guarded(void* user, F&& f, bool always = false) noexcept {
       auto* self = static_cast<bridge*>(user);
-      if (self->failure) return -1;
+      if (self->failure && !always) return -1;
       try {
         return f(self->task);
       } catch (...) {
-        // Exceptions must not unwind through C frames: carry it across and rethrow in run().
-        self->failure = std::current_exception();
+        if (!self->failure) self->failure = std::current_exception();
         return -1;
       }
     }
@@ -581,10 +583,13 @@ class task {
       });
     }
     static void finish(void* u, bb_status s) noexcept {
-      (void)guarded(u, [s](T& t) {
-        if constexpr (requires_finish) t.finish(static_cast<status>(s));
-        return 0;
-      });
+      (void)guarded(
+          u,
+          [s](T& t) {
+            if constexpr (requires_finish) t.finish(static_cast<status>(s));
+            return 0;
+          },
+          true);
     }
 
     template <typename U, typename = void>

@@ -82,6 +82,8 @@ pub struct TimeLeft {
 /// The iterative interface: the runtime calls `step` only inside bubbles, while the measured
 /// step time fits, and `pause`/`resume` around each bubble. An error or a panic in any method
 /// ends the run; `Task::run` returns the error (status `Callback`) or resumes the panic.
+/// `finish` is called once at the end of every run, also after such a failure, so cleanup put
+/// there always runs.
 pub trait SideTask {
     fn init(&mut self) -> TaskResult<()> {
         Ok(())
@@ -345,24 +347,28 @@ struct Bridge<'a, T: SideTask> {
 }
 
 impl<T: SideTask> Bridge<'_, T> {
-    /// Runs one method; an error or a panic is kept for `run` and reported to C as -1, since
-    /// unwinding must not cross the C frames.
+    /// Runs one method, unless an earlier one failed (the runtime is then ending the run, and
+    /// only `finish` is still called).
     unsafe fn guarded(user: *mut c_void, f: impl FnOnce(&mut T) -> TaskResult<c_int>) -> c_int {
-        let bridge = &mut *(user as *mut Self);
-        if bridge.failure.is_some() {
+        if (*(user as *mut Self)).failure.is_some() {
             return -1;
         }
-        match catch_unwind(AssertUnwindSafe(|| f(bridge.task))) {
-            Ok(Ok(v)) => v,
-            Ok(Err(e)) => {
-                bridge.failure = Some(Failure::Error(e));
-                -1
-            }
-            Err(payload) => {
-                bridge.failure = Some(Failure::Panic(payload));
-                -1
-            }
+        Self::protected(user, f)
+    }
+
+    /// Runs f; an error or a panic is kept for `run` (the first one: a later one from `finish`
+    /// does not hide it) and reported to C as -1, since unwinding must not cross the C frames.
+    unsafe fn protected(user: *mut c_void, f: impl FnOnce(&mut T) -> TaskResult<c_int>) -> c_int {
+        let bridge = &mut *(user as *mut Self);
+        let failure = match catch_unwind(AssertUnwindSafe(|| f(bridge.task))) {
+            Ok(Ok(v)) => return v,
+            Ok(Err(e)) => Failure::Error(e),
+            Err(payload) => Failure::Panic(payload),
+        };
+        if bridge.failure.is_none() {
+            bridge.failure = Some(failure);
         }
+        -1
     }
 
     unsafe extern "C" fn init(user: *mut c_void) -> c_int {
@@ -420,7 +426,8 @@ impl<T: SideTask> Bridge<'_, T> {
     }
     unsafe extern "C" fn finish(user: *mut c_void, status: sys::bb_status) {
         let status = (status != sys::BB_OK).then(|| Status::from_raw(status));
-        Self::guarded(user, |t| {
+        // Always called, also after another method failed: its cleanup must run.
+        Self::protected(user, |t| {
             t.finish(status);
             Ok(0)
         });

@@ -222,24 +222,36 @@ impl std::fmt::Display for Lost {
 impl std::error::Error for Lost {}
 
 #[test]
-fn an_error_from_step_comes_back_from_run() {
-    struct Failing;
+fn an_error_from_step_comes_back_from_run_and_finish_still_runs() {
+    struct Failing {
+        finished: Option<Option<Status>>,
+    }
     impl SideTask for Failing {
         fn step(&mut self, _: &StepInfo) -> TaskResult<Step> {
             Err(Box::new(Lost))
+        }
+        fn finish(&mut self, status: Option<Status>) {
+            self.finished = Some(status);
         }
     }
     let env = Env::new();
     let mut trainer = env.trainer();
     let (opts, job) = (env.task_options(), env.job.clone());
-    let runner = std::thread::spawn(move || Task::attach(&job, 0, "failing", &opts).unwrap().run(&mut Failing));
+    let runner = std::thread::spawn(move || {
+        let mut failing = Failing { finished: None };
+        let result = Task::attach(&job, 0, "failing", &opts).unwrap().run(&mut failing);
+        (result, failing.finished)
+    });
     assert!(eventually(|| trainer.tasks().unwrap().len() == 1));
     trainer.begin(Duration::from_millis(50), BubbleKind::Other, None).unwrap();
-    let err = runner.join().unwrap().unwrap_err();
+    let (result, finished) = runner.join().unwrap();
     trainer.end().unwrap();
+    let err = result.unwrap_err();
     assert_eq!(err.status, Status::Callback);
     let source = std::error::Error::source(&err).expect("the step's error is the source");
     assert!(source.downcast_ref::<Lost>().is_some());
+    // Its cleanup is not skipped: finish ran, told how the run ended.
+    assert_eq!(finished, Some(Some(Status::Callback)));
 }
 
 #[test]
