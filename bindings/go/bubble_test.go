@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"os"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -358,5 +359,45 @@ func TestSetScheduleAcceptsA1F1BPipelineAndNamesWhatItRejects(t *testing.T) {
 	sc.Fwd = time.Millisecond
 	if err := tr.SetSchedule(sc); !errors.Is(err, ErrInvalid) || !strings.Contains(err.Error(), "bwd_ns") {
 		t.Fatalf("want ErrInvalid naming bwd_ns, got %v", err)
+	}
+}
+
+// Close on one goroutine while others are inside calls: it waits for them, and every call after
+// it fails with ErrState (none reaches a freed hub).
+func TestCloseWaitsForCallsInFlightOnOtherGoroutines(t *testing.T) {
+	tr, _ := openTrainer(t)
+	var wg sync.WaitGroup
+	var calls atomic.Int64
+	errs := make(chan error, 4)
+	for g := 0; g < 4; g++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for {
+				calls.Add(1)
+				if _, err := tr.Stats(); err != nil {
+					errs <- err
+					return
+				}
+				if _, err := tr.Tasks(); err != nil {
+					errs <- err
+					return
+				}
+			}
+		}()
+	}
+	eventually(t, "the callers to be looping", func() bool { return calls.Load() >= 100 })
+	if err := tr.Close(); err != nil {
+		t.Fatal(err)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if !errors.Is(err, ErrState) {
+			t.Fatalf("a call after Close got %v, want ErrState", err)
+		}
+	}
+	if err := tr.Begin(time.Millisecond, BubbleOther, MemUnknown); !errors.Is(err, ErrState) {
+		t.Fatalf("Begin after Close got %v", err)
 	}
 }

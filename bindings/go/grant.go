@@ -110,10 +110,11 @@ func (g *TaskGrant) Memory() []byte {
 // Lend lends memory to the hub's tasks; once per hub (ErrBusy after that). ErrUnsupported for
 // a CUDA backend without a usable CUDA driver.
 func (t *Trainer) Lend(opts LendOptions) error {
-	h, err := t.handle()
+	h, done, err := t.acquire()
 	if err != nil {
 		return err
 	}
+	defer done()
 	var o C.bb_lend_options_t
 	C.bb_lend_options_init(&o)
 	if opts.Backend != 0 {
@@ -141,10 +142,11 @@ func (t *Trainer) Lend(opts LendOptions) error {
 // returns the grant's id. ErrNoMemory when no free extent is large enough, ErrBusy when the
 // task already holds a grant.
 func (t *Trainer) Grant(taskID, bytes uint64) (uint64, error) {
-	h, err := t.handle()
+	h, done, err := t.acquire()
 	if err != nil {
 		return 0, err
 	}
+	defer done()
 	var id C.uint64_t
 	err = call(func() C.bb_status { return C.bb_trainer_grant(h, C.uint64_t(taskID), C.uint64_t(bytes), &id) })
 	runtime.KeepAlive(t)
@@ -154,10 +156,11 @@ func (t *Trainer) Grant(taskID, bytes uint64) (uint64, error) {
 // Revoke asks a task's grant back; a task that has not acked within grace (0: 1 s) is killed.
 // It returns at once: TaskGrant and GrantStats show the progress.
 func (t *Trainer) Revoke(taskID uint64, grace time.Duration) error {
-	h, err := t.handle()
+	h, done, err := t.acquire()
 	if err != nil {
 		return err
 	}
+	defer done()
 	var deadline C.uint64_t
 	if grace > 0 {
 		deadline = C.uint64_t(NowNs()) + durationNs(grace)
@@ -170,10 +173,11 @@ func (t *Trainer) Revoke(taskID uint64, grace time.Duration) error {
 // TaskGrant returns a task's grant, nil when it holds none; ErrNotFound when no such task is
 // attached.
 func (t *Trainer) TaskGrant(taskID uint64) (*GrantInfo, error) {
-	h, err := t.handle()
+	h, done, err := t.acquire()
 	if err != nil {
 		return nil, err
 	}
+	defer done()
 	var g C.bb_grant_info_t
 	g.size = C.uint32_t(unsafe.Sizeof(g))
 	err = call(func() C.bb_status { return C.bb_trainer_task_grant(h, C.uint64_t(taskID), &g) })
@@ -188,10 +192,11 @@ func (t *Trainer) TaskGrant(taskID uint64) (*GrantInfo, error) {
 
 // GrantStats returns the lender's counts.
 func (t *Trainer) GrantStats() (GrantStats, error) {
-	h, err := t.handle()
+	h, done, err := t.acquire()
 	if err != nil {
 		return GrantStats{}, err
 	}
+	defer done()
 	var s C.bb_grant_stats_t
 	s.size = C.uint32_t(unsafe.Sizeof(s))
 	err = call(func() C.bb_status { return C.bb_trainer_grant_stats(h, &s) })

@@ -8,6 +8,7 @@ import "C"
 
 import (
 	"runtime"
+	"sync/atomic"
 	"time"
 	"unsafe"
 )
@@ -95,6 +96,11 @@ type TaskInfo struct {
 // time; the other methods may be called from any.
 type Trainer struct {
 	h C.bb_trainer_h
+	// Calls in flight, and whether Close has begun: Close waits for the calls already inside the
+	// library before it frees the hub, and later calls fail, so a Close on one goroutine never
+	// frees the handle under a call on another. Two atomic adds: the bubble calls take no lock.
+	inflight atomic.Int64
+	closed   atomic.Bool
 }
 
 // OpenTrainer creates the hub of (jobID, rank); errors.Is(err, ErrBusy) when a live trainer
@@ -134,17 +140,31 @@ func OpenTrainer(jobID string, rank uint32, opts *TrainerOptions) (*Trainer, err
 	return t, nil
 }
 
-func (t *Trainer) handle() (C.bb_trainer_h, error) {
-	if t == nil || t.h == nil {
-		return nil, &Error{Status: ErrState, Message: "the trainer is closed; open a new one with OpenTrainer"}
+var errTrainerClosed = &Error{Status: ErrState, Message: "the trainer is closed; open a new one with OpenTrainer"}
+
+// acquire returns the hub's handle for one call, and done to call when the call has returned.
+func (t *Trainer) acquire() (C.bb_trainer_h, func(), error) {
+	if t == nil {
+		return nil, nil, errTrainerClosed
 	}
-	return t.h, nil
+	t.inflight.Add(1)
+	if t.closed.Load() {
+		t.inflight.Add(-1)
+		return nil, nil, errTrainerClosed
+	}
+	return t.h, t.release, nil
 }
 
-// Close stops every attached task and removes the hub. Calling it again does nothing.
+func (t *Trainer) release() { t.inflight.Add(-1) }
+
+// Close stops every attached task and removes the hub, once the calls other goroutines have
+// in flight have returned; calls made after it fail. Calling it again does nothing.
 func (t *Trainer) Close() error {
-	if t == nil || t.h == nil {
+	if t == nil || !t.closed.CompareAndSwap(false, true) {
 		return nil
+	}
+	for t.inflight.Load() > 0 {
+		time.Sleep(50 * time.Microsecond)
 	}
 	h := t.h
 	t.h = nil
@@ -154,10 +174,11 @@ func (t *Trainer) Close() error {
 
 // Begin says a bubble starts now. expected 0 asks the predictor; freeMem MemUnknown if unknown.
 func (t *Trainer) Begin(expected time.Duration, kind BubbleKind, freeMem uint64) error {
-	h, err := t.handle()
+	h, done, err := t.acquire()
 	if err != nil {
 		return err
 	}
+	defer done()
 	err = call(func() C.bb_status {
 		return C.bb_bubble_begin(h, durationNs(expected), C.uint64_t(freeMem), C.bb_bubble_kind(kind))
 	})
@@ -167,10 +188,11 @@ func (t *Trainer) Begin(expected time.Duration, kind BubbleKind, freeMem uint64)
 
 // End says the bubble ends now; started tasks are told to pause.
 func (t *Trainer) End() error {
-	h, err := t.handle()
+	h, done, err := t.acquire()
 	if err != nil {
 		return err
 	}
+	defer done()
 	err = call(func() C.bb_status { return C.bb_bubble_end(h) })
 	runtime.KeepAlive(t)
 	return err
@@ -188,10 +210,11 @@ func (t *Trainer) Bubble(expected time.Duration, kind BubbleKind, wait func()) e
 
 // Iteration marks the start of a training iteration (numbers bubbles for the predictor).
 func (t *Trainer) Iteration() error {
-	h, err := t.handle()
+	h, done, err := t.acquire()
 	if err != nil {
 		return err
 	}
+	defer done()
 	err = call(func() C.bb_status { return C.bb_trainer_iteration(h) })
 	runtime.KeepAlive(t)
 	return err
@@ -200,10 +223,11 @@ func (t *Trainer) Iteration() error {
 // SetSchedule declares the pipeline schedule (from the bubble goroutine, before an iteration;
 // not bounded-time). ErrInvalid names what the schedule model rejects.
 func (t *Trainer) SetSchedule(s Schedule) error {
-	h, err := t.handle()
+	h, done, err := t.acquire()
 	if err != nil {
 		return err
 	}
+	defer done()
 	var c C.bb_schedule_t
 	C.bb_schedule_init(&c)
 	c.kind = C.uint32_t(s.Kind)
@@ -225,10 +249,11 @@ func (t *Trainer) SetSchedule(s Schedule) error {
 
 // Stats returns the hub's counters.
 func (t *Trainer) Stats() (TrainerStats, error) {
-	h, err := t.handle()
+	h, done, err := t.acquire()
 	if err != nil {
 		return TrainerStats{}, err
 	}
+	defer done()
 	s := (*C.bb_trainer_stats_t)(C.calloc(1, C.size_t(unsafe.Sizeof(C.bb_trainer_stats_t{}))))
 	defer C.free(unsafe.Pointer(s))
 	s.size = C.uint32_t(unsafe.Sizeof(*s))
@@ -250,10 +275,11 @@ func (t *Trainer) Stats() (TrainerStats, error) {
 
 // Tasks lists the tasks attached now.
 func (t *Trainer) Tasks() ([]TaskInfo, error) {
-	h, err := t.handle()
+	h, done, err := t.acquire()
 	if err != nil {
 		return nil, err
 	}
+	defer done()
 	defer runtime.KeepAlive(t)
 	var count C.size_t
 	if err := call(func() C.bb_status { return C.bb_trainer_tasks(h, nil, 0, &count) }); err != nil {
@@ -292,10 +318,11 @@ func (t *Trainer) Tasks() ([]TaskInfo, error) {
 
 // StopTask tells one task (by TaskInfo.ID) to stop; it finishes and detaches.
 func (t *Trainer) StopTask(id uint64) error {
-	h, err := t.handle()
+	h, done, err := t.acquire()
 	if err != nil {
 		return err
 	}
+	defer done()
 	err = call(func() C.bb_status { return C.bb_trainer_stop_task(h, C.uint64_t(id)) })
 	runtime.KeepAlive(t)
 	return err

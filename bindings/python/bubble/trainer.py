@@ -5,6 +5,7 @@ import contextlib
 import ctypes
 import enum
 import os
+import threading
 from dataclasses import dataclass, fields
 from typing import Iterator
 
@@ -84,6 +85,9 @@ class Trainer:
                  max_running: int | None = None, event_capacity: int | None = None,
                  runtime_dir: str | os.PathLike[str] | None = None,
                  allow_uid: int | None = None) -> None:
+        self._h: ctypes.c_void_p | None = None
+        self._mu = threading.Condition()
+        self._inflight = 0
         opts = _lib.TrainerOptions()
         lib.bb_trainer_options_init(ctypes.byref(opts))
         if max_slots is not None:
@@ -99,21 +103,36 @@ class Trainer:
         handle = ctypes.c_void_p()
         check(lib.bb_trainer_open(job_id.encode(), rank, ctypes.byref(opts),
                                   ctypes.byref(handle)))
-        self._h: ctypes.c_void_p | None = handle
+        self._h = handle
         self.job_id = job_id
         self.rank = rank
 
-    @property
-    def _handle(self) -> ctypes.c_void_p:
-        if self._h is None:
-            raise ValueError("the trainer is closed; open a new Trainer")
-        return self._h
+    def _call(self, fn, *args) -> None:
+        """One call on the hub, counted in flight: close() waits for it before it frees the hub,
+        so a close on another thread never frees the handle under it (the GIL is given up in
+        most calls, and between any two bytecodes)."""
+        with self._mu:
+            if self._h is None:
+                raise ValueError("the trainer is closed; open a new Trainer")
+            h = self._h
+            self._inflight += 1
+        try:
+            check(fn(h, *args))
+        finally:
+            with self._mu:
+                self._inflight -= 1
+                if not self._inflight:
+                    self._mu.notify_all()
 
     def close(self) -> None:
-        """Stops every attached task and removes the hub. Safe to call twice."""
-        h, self._h = self._h, None
-        if h is not None:
-            check(lib.bb_trainer_close(h))
+        """Stops every attached task and removes the hub, once the calls other threads have in
+        flight have returned; calls made after it raise. Safe to call twice."""
+        with self._mu:
+            h, self._h = self._h, None
+            if h is None:
+                return
+            self._mu.wait_for(lambda: not self._inflight)
+        check(lib.bb_trainer_close(h))
 
     def __enter__(self) -> "Trainer":
         return self
@@ -131,11 +150,11 @@ class Trainer:
                      kind: BubbleKind = BubbleKind.OTHER) -> None:
         """A bubble starts now. expected: its length in seconds (None: predicted);
         free_mem: device bytes side tasks may use (None: unknown)."""
-        check(lib.bb_bubble_begin(self._handle, _ns(expected),
-                                  _lib.MEM_UNKNOWN if free_mem is None else free_mem, int(kind)))
+        self._call(lib.bb_bubble_begin, _ns(expected),
+                                  _lib.MEM_UNKNOWN if free_mem is None else free_mem, int(kind))
 
     def bubble_end(self) -> None:
-        check(lib.bb_bubble_end(self._handle))
+        self._call(lib.bb_bubble_end)
 
     @contextlib.contextmanager
     def bubble(self, expected: float | None = None, *, free_mem: int | None = None,
@@ -149,7 +168,7 @@ class Trainer:
 
     def iteration(self) -> None:
         """Marks the start of a training iteration (numbers bubbles for the predictor)."""
-        check(lib.bb_trainer_iteration(self._handle))
+        self._call(lib.bb_trainer_iteration)
 
     def set_schedule(self, kind: ScheduleKind = ScheduleKind.ONE_F_ONE_B, *, stages: int,
                      microbatches: int, stage: int, fwd: float | None = None,
@@ -170,30 +189,30 @@ class Trainer:
         sc.fwd_ns, sc.bwd_ns = _ns(fwd), _ns(bwd)
         sc.wgrad_ns, sc.comm_ns = _ns(wgrad), _ns(comm)
         sc.bubbles = int(ScheduleBubbles(bubbles))
-        check(lib.bb_trainer_set_schedule(self._handle, ctypes.byref(sc)))
+        self._call(lib.bb_trainer_set_schedule, ctypes.byref(sc))
 
     def stats(self) -> TrainerStats:
         out = _lib.TrainerStatsC(size=ctypes.sizeof(_lib.TrainerStatsC))
-        check(lib.bb_trainer_stats(self._handle, ctypes.byref(out)))
+        self._call(lib.bb_trainer_stats, ctypes.byref(out))
         return TrainerStats(**{f.name: getattr(out, f.name) for f in fields(TrainerStats)})
 
     def tasks(self) -> list[TaskInfo]:
         """The tasks attached now."""
         count = ctypes.c_size_t(0)
-        check(lib.bb_trainer_tasks(self._handle, None, 0, ctypes.byref(count)))
+        self._call(lib.bb_trainer_tasks, None, 0, ctypes.byref(count))
         while True:
             cap = count.value + 4  # room for tasks that attach between the two calls
             arr = (_lib.TaskInfoC * cap)()
             for item in arr:
                 item.size = ctypes.sizeof(_lib.TaskInfoC)
-            check(lib.bb_trainer_tasks(self._handle, arr, cap, ctypes.byref(count)))
+            self._call(lib.bb_trainer_tasks, arr, cap, ctypes.byref(count))
             if count.value <= cap:
                 return [_task_info(arr[i]) for i in range(count.value)]
 
     def stop_task(self, task: int | TaskInfo) -> None:
         """Tells one task to stop; it finishes and detaches."""
         task_id = task.id if isinstance(task, TaskInfo) else task
-        check(lib.bb_trainer_stop_task(self._handle, task_id))
+        self._call(lib.bb_trainer_stop_task, task_id)
 
 
     # ---- memory grants ---------------------------------------------------------------------
@@ -211,33 +230,33 @@ class Trainer:
         closes. Raises Unsupported for a CUDA backend without a usable CUDA driver."""
         opts = lend_options(size, backend, device_ptr, device, max_grants, alignment, auto_grant,
                             clear_grants)
-        check(lib.bb_trainer_lend(self._handle, ctypes.byref(opts)))
+        self._call(lib.bb_trainer_lend, ctypes.byref(opts))
 
     def grant(self, task: int | TaskInfo, size: int | None = None) -> int:
         """Grants `size` bytes (None: the task's mem_need) to a task holding no grant; returns
         the grant's id. OutOfMemory when no free extent is large enough, Busy when the task
         already holds one."""
         grant_id = ctypes.c_uint64()
-        check(lib.bb_trainer_grant(self._handle, _task_id(task), size or 0,
-                                   ctypes.byref(grant_id)))
+        self._call(lib.bb_trainer_grant, _task_id(task), size or 0,
+                                   ctypes.byref(grant_id))
         return grant_id.value
 
     def revoke(self, task: int | TaskInfo, timeout: float | None = None) -> None:
         """Asks a task's grant back; a task that has not acked within `timeout` seconds
         (None: 1 s) is killed. Returns at once: task_grant() and grant_stats() show progress."""
         deadline = 0 if timeout is None else lib.bb_now_ns() + _ns(timeout)
-        check(lib.bb_trainer_revoke(self._handle, _task_id(task), deadline))
+        self._call(lib.bb_trainer_revoke, _task_id(task), deadline)
 
     def task_grant(self, task: int | TaskInfo) -> GrantInfo | None:
         """The task's grant, None when it holds none. Raises HubNotFound (a LookupError) when
         no such task is attached."""
         out = _lib.GrantInfoC(size=ctypes.sizeof(_lib.GrantInfoC))
-        check(lib.bb_trainer_task_grant(self._handle, _task_id(task), ctypes.byref(out)))
+        self._call(lib.bb_trainer_task_grant, _task_id(task), ctypes.byref(out))
         return grant_info(out)
 
     def grant_stats(self) -> GrantStats:
         out = _lib.GrantStatsC(size=ctypes.sizeof(_lib.GrantStatsC))
-        check(lib.bb_trainer_grant_stats(self._handle, ctypes.byref(out)))
+        self._call(lib.bb_trainer_grant_stats, ctypes.byref(out))
         return grant_stats(out)
 
 

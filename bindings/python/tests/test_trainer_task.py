@@ -139,6 +139,34 @@ def test_the_bubble_calls_hold_the_gil_and_the_waits_give_it_up():
         assert not holds(getattr(lib, name)), name
 
 
+def test_close_waits_for_calls_in_flight_on_other_threads(job):
+    trainer = bubble.Trainer(job, 0)
+    calls = [0]
+    errors: list[BaseException] = []
+
+    def caller():
+        try:
+            while True:
+                trainer.stats()
+                trainer.tasks()
+                calls[0] += 1
+        except BaseException as exc:  # noqa: BLE001 - what ended the loop is the result
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller) for _ in range(3)]
+    for t in threads:
+        t.start()
+    assert eventually(lambda: calls[0] >= 100)
+    trainer.close()
+    for t in threads:
+        t.join(timeout=30)
+    # Every caller ended with the closed trainer's error, none inside a freed hub.
+    assert len(errors) == 3
+    assert all(isinstance(e, ValueError) and "closed" in str(e) for e in errors), errors
+    with pytest.raises(ValueError, match="closed"):
+        trainer.bubble_begin(0.001)
+
+
 def test_leaving_the_bubbles_loop_early_still_acks_the_pause(job):
     with bubble.Trainer(job, 0) as trainer, bubble.Task(job, 0, "leaver") as task:
         assert eventually(lambda: len(trainer.tasks()) == 1)
