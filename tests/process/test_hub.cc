@@ -417,7 +417,13 @@ TEST_CASE("observer_merges_the_bubble_and_service_event_streams") {
   CHECK(attaches == 1);
   CHECK(starts > 0);
   CHECK(steps >= 5);
-  // Nothing new: an empty read that leaves the cursor where it was.
+  // Nothing new: an empty read that leaves the cursor where it was. The hub is quieted first:
+  // while the task lives, the service thread logs the reports it still drains; once the task is
+  // gone and its slot freed, and no bubble runs, neither thread logs anything.
+  task.signal(SIGKILL);
+  REQUIRE(t.bubbles_until([&] { return t.stats().tasks_reclaimed == 1; }, 500));
+  while (obs->read_events(&cursor, buf, 7) > 0) {
+  }
   const bb::core::EventCursor before = cursor;
   CHECK(obs->read_events(&cursor, buf, 7) == 0);
   CHECK(cursor.next[0] == before.next[0]);

@@ -17,6 +17,7 @@
 #include <span>
 #define BUBBLE_HPP_SPAN 1
 #endif
+#include <cstring>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -328,8 +329,9 @@ class trainer {
     out.reserve(count);
     for (size_t i = 0; i < count; ++i) {
       const auto& r = raw[i];
-      out.push_back({r.id, r.slot, r.name, r.pid, r.priority, r.mem_need, r.min_step_ns,
-                     r.steps, r.step_ns, r.running != 0, r.bad != 0});
+      out.push_back({r.id, r.slot, std::string(r.name, strnlen(r.name, sizeof r.name)), r.pid,
+                     r.priority, r.mem_need, r.min_step_ns, r.steps, r.step_ns, r.running != 0,
+                     r.bad != 0});
     }
     return out;
   }
