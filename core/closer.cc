@@ -74,6 +74,7 @@ class Closer {
  private:
   void run() {
     std::unique_lock<std::mutex> lock(mu_);
+    stats_.started = true;
     for (;;) {
       cv_.wait(lock, [this] { return !queue_.empty(); });
       const int fd = queue_.front();

@@ -31,6 +31,7 @@ struct CloserStats {
   uint64_t closed = 0;         // of those, closed
   uint64_t closed_inline = 0;  // closed by the caller: the queue was full, or no thread ran
   uint64_t max_queued = 0;     // the bound on what waits at once
+  bool started = false;        // the closer thread is running (the first thing it does)
 };
 CloserStats closer_stats();
 
