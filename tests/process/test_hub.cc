@@ -329,11 +329,24 @@ TEST_CASE("hung_task_never_stalls_the_trainer") {
   REQUIRE(eventually([&] { return t.stats().tasks_attached == 2; }));
   // The hung task is started once, never acks, and is then skipped: the good task keeps
   // getting every bubble, and every begin/end returns at once.
-  REQUIRE(t.bubbles_until([&] {
+  const bool good_ran = t.bubbles_until([&] {
     for (auto& ti : t.tasks())
       if (std::string(ti.name) == "good" && ti.steps >= 300) return true;
     return false;
-  }));
+  });
+  if (!good_ran) {
+    std::string seen;
+    for (auto& ti : t.tasks())
+      seen += std::string(ti.name) + ": steps " + std::to_string(ti.steps) + " running " +
+              std::to_string(ti.running) + " bad " + std::to_string(ti.bad) + "; ";
+    good.wait_line("\x01", 200);  // collect what it printed so far
+    std::string said;
+    for (auto& l : good.lines()) said += l + " | ";
+    MESSAGE("tasks: " << seen << "starts " << t.stats().starts << ", pauses "
+                      << t.stats().pauses << "; the good task said: " << said << "\n"
+                      << good.describe());
+  }
+  REQUIRE(good_ran);
   const auto s = t.stats();
   CHECK(s.starts >= 10);
   // The hung task is still attached, was started, and never acked the pause.
