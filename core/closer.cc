@@ -131,7 +131,20 @@ void close_elsewhere(const int* fds, size_t n) {
     make_abortive(fds[i]);
     any = true;
   }
-  if (any) closer().add(fds, n);
+  if (!any) return;
+  Closer* c = nullptr;
+  try {
+    c = &closer();
+  } catch (...) {
+    // The closer cannot even be made (out of memory): close here rather than throw from a
+    // destructor.
+  }
+  if (c) {
+    c->add(fds, n);
+    return;
+  }
+  for (size_t i = 0; i < n; ++i)
+    if (fds[i] >= 0) ::close(fds[i]);
 }
 
 CloserStats closer_stats() { return closer().stats(); }
