@@ -333,6 +333,7 @@ bool Trainer::task_ready(uint32_t i) {
 }
 
 bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind kind) {
+  prefetch_warm();
   if (unsigned(kind) >= BB_BUBBLE_KIND_COUNT_)
     return fail(BB_E_INVALID, "bubble kind %d is not a bb_bubble_kind", int(kind));
   refresh_slots();
@@ -387,6 +388,15 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
     }
     running_[n_running_++] = i;
   }
+  for (uint32_t k = 0; k < n && k < kWarmLines / 5; ++k) {
+    const uint32_t i = picked[k];
+    const void** w = warm_ + 5 * k;
+    w[0] = &slots_[i];
+    w[1] = &cands_[i];
+    w[2] = &slots_[i].page->acked_epoch;
+    w[3] = hub_.slot(i);
+    w[4] = &hub_.slot(i)->commands.tail;
+  }
   // The rest no waiting task needs. The command ring still carries every command in order (the
   // task's runtime drains it between runs); the start block is the fast copy of the latest
   // START, and the ring's indexes are how a task that corrupts its side is caught.
@@ -437,6 +447,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
 
 bb_status Trainer::end() {
   if (!open_) return BB_OK;
+  prefetch_warm();  // the tasks to pause are the ones the begin started
   refresh_slots();
   end_locked(now_ns());
   return BB_OK;
