@@ -565,7 +565,22 @@ bb_status Task::run(const bb_task_callbacks_t& cbs) {
   bool done = false;
   while (result == BB_OK && !done) {
     bb_start_info_t info{sizeof info};
-    const bb_status st = wait_start(-1, &info);
+    bb_status st;
+    // With an idle callback, the wait comes back every BB_TASK_IDLE_NS to call it.
+    while ((st = wait_start(cbs.idle ? int64_t(BB_TASK_IDLE_NS) : -1, &info)) == BB_E_TIMEOUT &&
+           cbs.idle) {
+      clear_error();
+      const int rc = cbs.idle(user);
+      if (rc < 0) {
+        failed_cb("idle");
+        break;
+      }
+      if (rc == BB_STEP_DONE) {
+        done = true;
+        break;
+      }
+    }
+    if (result != BB_OK || done) break;
     if (st != BB_OK) {
       result = st;
       break;

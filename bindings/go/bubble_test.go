@@ -264,6 +264,31 @@ func TestStepDoneFinishes(t *testing.T) {
 	}
 }
 
+type idler struct{ idles int }
+
+func (i *idler) Step(StepInfo) (StepResult, error) { return Continue, nil }
+func (i *idler) Idle() (StepResult, error) {
+	i.idles++
+	if i.idles == 3 {
+		return Done, nil
+	}
+	return Continue, nil
+}
+
+func TestIdleRunsWhileWaitingAndDoneFinishes(t *testing.T) {
+	_, job := openTrainer(t)
+	task, err := Attach(job, 0, "idler", nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer task.Close()
+	i := &idler{}
+	// No bubble is ever begun: only Idle can end the run.
+	if o, err := task.Run(i); err != nil || o != Finished || i.idles != 3 {
+		t.Fatalf("run = %v, %v after %d idle calls", o, err, i.idles)
+	}
+}
+
 var errLost = errors.New("lost the data")
 
 func TestStepErrorComesBackFromRun(t *testing.T) {

@@ -95,6 +95,20 @@ func bubbleGoResume(user C.uintptr_t) C.int {
 	})
 }
 
+//export bubbleGoIdle
+func bubbleGoIdle(user C.uintptr_t) C.int {
+	return guarded(user, func(st *runState) (C.int, error) {
+		r, err := st.task.(Idler).Idle()
+		switch r {
+		case Continue:
+			return 0, err
+		case Done:
+			return C.BB_STEP_DONE, err
+		}
+		return -1, fmt.Errorf("Idle returned %d, which is neither Continue nor Done", r)
+	})
+}
+
 //export bubbleGoFinish
 func bubbleGoFinish(user C.uintptr_t, status C.bb_status) {
 	// Always called, also after another method failed: a Finisher's cleanup must run.

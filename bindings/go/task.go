@@ -4,7 +4,7 @@ package bubble
 #include <stdlib.h>
 #include <stdint.h>
 #include <bubble/bubble.h>
-bb_status bubble_go_run(bb_task_h task, uintptr_t handle);
+bb_status bubble_go_run(bb_task_h task, uintptr_t handle, int idle);
 */
 import "C"
 
@@ -104,6 +104,11 @@ type Pauser interface{ Pause() error }
 // Resumer is called when a bubble starts, before the first step in it.
 type Resumer interface{ Resume() error }
 
+// Idler is called about every 100 ms while the task waits for a bubble (never inside one):
+// the place to notice a shutdown asked of the task (a signal, a closed channel). Done ends the
+// run as finished, an error ends it failed. A task without it just waits.
+type Idler interface{ Idle() (StepResult, error) }
+
 // Finisher is called once when Run ends, also after another method failed or panicked, so its
 // cleanup always runs. err is nil when the task finished by itself, else the Status the run
 // ended with: ErrStopped when it was told to stop (Run then returns Stopped and a nil error),
@@ -199,7 +204,11 @@ func (t *Task) Run(task SideTask) (Outcome, error) {
 	defer handle.Delete()
 	// The callbacks run on this thread inside bb_task_run; keep it for bb_last_error too.
 	runtime.LockOSThread()
-	code := C.bubble_go_run(h, C.uintptr_t(handle))
+	idle := C.int(0)
+	if _, ok := task.(Idler); ok {
+		idle = 1
+	}
+	code := C.bubble_go_run(h, C.uintptr_t(handle), idle)
 	failure := lastError(code)
 	runtime.UnlockOSThread()
 	runtime.KeepAlive(t)

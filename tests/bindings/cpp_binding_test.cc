@@ -194,6 +194,22 @@ TEST_CASE("iterative: step() returning done finishes the run") {
   CHECK(ct.finished_with == bubble::status::OK);
 }
 
+TEST_CASE("iterative: idle() runs while the task waits, and done from it finishes the run") {
+  struct idler : bubble::side_task {
+    std::atomic<int> idles{0};
+    bubble::step_result step(const bubble::step_info&) override { return bubble::step_result::more; }
+    bubble::step_result idle() override {
+      return ++idles == 3 ? bubble::step_result::done : bubble::step_result::more;
+    }
+  };
+  auto job = unique_job();
+  bubble::trainer t(job, 0);
+  idler id;
+  bubble::task k(job, 0, "idler");
+  CHECK(k.run(id) == bubble::outcome::finished);  // no bubble is ever begun
+  CHECK(id.idles == 3);
+}
+
 TEST_CASE("an exception thrown by step() comes out of run() unchanged, and finish() still runs") {
   struct throwing : bubble::side_task {
     std::atomic<int> finishes{0};

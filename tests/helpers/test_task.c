@@ -12,6 +12,9 @@
  *         grant-leave waits for a start with a grant, writes it, then closes its sockets and
  *                     sleeps (a task that leaves its slot still mapping the grant)
  *   --step-us N, --prio N, --mem N, --min-step-us N, --max-steps N (then BB_STEP_DONE),
+ *   --idle N (iterative): an idle callback that prints "IDLE <n>" (n counts from 1, and whether
+ *   a bubble is open is printed as " in-bubble" after it) and returns BB_STEP_DONE at the N-th
+ *   call, or -1 there with --idle-fail,
  *   --wait (re-attach when the trainer goes away), --reattach-ms N,
  *   --wake predictive|sleep|spin (how it waits for a start),
  *   --grant-seed N: fill each new grant with the pattern word(i) = N ^ (i * 2654435761), and
@@ -103,7 +106,25 @@ static int on_step(void *user, const bb_step_info_t *info) {
   return max_steps && steps >= max_steps ? BB_STEP_DONE : BB_STEP_CONTINUE;
 }
 
+static unsigned long idle_at = 0, idles = 0;
+static int idle_fail = 0, in_bubble = 0;
+
+static int on_idle(void *user) {
+  (void)user;
+  printf("IDLE %lu%s\n", ++idles, in_bubble ? " in-bubble" : "");
+  fflush(stdout);
+  if (idles < idle_at) return 0;
+  return idle_fail ? -1 : BB_STEP_DONE;
+}
+
+static int on_pause(void *user) {
+  (void)user;
+  in_bubble = 0;
+  return 0;
+}
+
 static int on_resume(void *user) {
+  in_bubble = 1;
   (void)user;
   ++starts;
   return 0;
@@ -136,6 +157,8 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--mem")) opts.mem_need = strtoull(v, NULL, 10), ++i;
     else if (!strcmp(a, "--min-step-us")) opts.min_step_ns = strtoull(v, NULL, 10) * 1000, ++i;
     else if (!strcmp(a, "--max-steps")) max_steps = strtoull(v, NULL, 10), ++i;
+    else if (!strcmp(a, "--idle")) idle_at = strtoul(v, NULL, 10), ++i;
+    else if (!strcmp(a, "--idle-fail")) idle_fail = 1;
     else if (!strcmp(a, "--wait")) opts.on_trainer_exit = BB_ON_TRAINER_EXIT_WAIT;
     else if (!strcmp(a, "--reattach-ms")) opts.reattach_timeout_ns = strtoull(v, NULL, 10) * 1000000, ++i;
     else if (!strcmp(a, "--grant-seed")) grant_seed = (uint32_t)strtoul(v, NULL, 10), grant_seed_set = 1, ++i;
@@ -179,6 +202,8 @@ int main(int argc, char **argv) {
     bb_task_callbacks_init(&cbs);
     cbs.step = on_step;
     cbs.resume = on_resume;
+    cbs.pause = on_pause;
+    if (idle_at) cbs.idle = on_idle;
     st = bb_task_run(task, &cbs);
   } else if (!strcmp(mode, "imperative")) {
     for (;;) {

@@ -82,6 +82,39 @@ TEST_CASE("start_pause_stop_cycle") {
   CHECK(bbtest::dev_shm() == shm_before);
 }
 
+// bb_task_callbacks_t.idle: called while the task waits for a bubble, never inside one, and
+// able to end the run as finished or failed.
+TEST_CASE("the_idle_callback_runs_between_bubbles_and_can_end_the_run") {
+  RuntimeDir dir;
+  Trainer t("idle");
+  {
+    // Ten calls: about a second without bubbles, far more than the gaps between the bubbles
+    // below, so the run cannot end before the task stepped.
+    Child task(task_args("idle", "done", "iterative", {"--step-us", "100", "--idle", "10"}));
+    REQUIRE(task.wait_line("ATTACHED") != "");
+    REQUIRE(eventually([&] { return t.stats().tasks_attached == 1; }));
+    REQUIRE(t.bubbles_until([&] { return t.stats().steps >= 3; }));
+    // No more bubbles: the task waits, its idle callback runs, and the tenth call ends the run.
+    const std::string result = task.wait_line("RESULT", 30000);
+    CHECK(result.find("RESULT BB_OK") == 0);
+    CHECK(task.wait_exit() == 0);
+    int idles = 0;
+    for (const std::string& line : task.lines()) {
+      if (line.rfind("IDLE", 0) != 0) continue;
+      ++idles;
+      CHECK_MESSAGE(line.find("in-bubble") == std::string::npos, line);
+    }
+    CHECK(idles == 10);
+    CHECK(t.bubbles_until([&] { return t.stats().tasks_reclaimed == 1; }, 200));
+  }
+  {
+    Child task(task_args("idle", "fails", "iterative", {"--idle", "2", "--idle-fail"}));
+    REQUIRE(task.wait_line("ATTACHED") != "");
+    CHECK(task.wait_line("RESULT", 30000).find("RESULT BB_E_CALLBACK") == 0);
+    CHECK(task.wait_exit() == 0);
+  }
+}
+
 TEST_CASE("imperative_task_sees_each_start_once") {
   RuntimeDir dir;
   Trainer t("imper");

@@ -19,6 +19,7 @@ UINT64_MAX = (1 << 64) - 1
 UINT32_MAX = (1 << 32) - 1
 STEP_CONTINUE = 0
 STEP_DONE = 1
+TASK_IDLE_NS = 100_000_000  # BB_TASK_IDLE_NS
 
 
 class TrainerOptions(Structure):
@@ -110,7 +111,7 @@ FINISH_FN = CFUNCTYPE(None, c_void_p, c_int)
 class TaskCallbacks(Structure):
     _fields_ = [("size", c_uint32), ("reserved0_", c_uint32), ("user", c_void_p),
                 ("init", INIT_FN), ("step", STEP_FN), ("pause", INIT_FN), ("resume", INIT_FN),
-                ("finish", FINISH_FN)]
+                ("finish", FINISH_FN), ("idle", INIT_FN)]
 
 
 STRUCTS = {

@@ -6,6 +6,8 @@ import contextlib
 import ctypes
 import enum
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -62,8 +64,10 @@ class SideTask:
     """Subclass and override step() (and any of the others); pass an instance to Task.run.
 
     step() returns True once the work is finished; anything else means "more to do". The
-    runtime calls it only inside bubbles, while the measured step time fits. An exception in
-    any method ends the run: the task reports FAILED and Task.run re-raises the exception.
+    runtime calls it only inside bubbles, while the measured step time fits. idle() is called
+    about every 100 ms while the task waits for a bubble; True from it ends the run as
+    finished too (a shutdown asked of the task). An exception in any method ends the run: the
+    task reports FAILED and Task.run re-raises the exception.
     """
 
     def init(self) -> None: ...
@@ -71,6 +75,39 @@ class SideTask:
     def pause(self) -> None: ...
     def resume(self) -> None: ...
     def finish(self, status: Status) -> None: ...
+    def idle(self) -> bool | None: ...
+
+
+class _SigintGate:
+    """Ctrl-C while Task.run is inside the runtime.
+
+    Python runs a signal's handler where it next runs bytecode: here that is the entry of the
+    next callback, before any try in it, and an exception leaving a ctypes callback can only be
+    printed, not raised. So while run() is in C (on the main thread, with Python's default
+    SIGINT handler) the signal is noted instead, and raised only inside a callback's body, where
+    it ends the run like any other exception: finish() runs and run() re-raises it. The
+    runtime comes back to Python while it waits (the idle callback), so this happens within
+    about 100 ms, in a bubble or not."""
+
+    def __init__(self) -> None:
+        self.hit = False
+        self.in_body = False
+        self._old = None
+
+    def __enter__(self) -> "_SigintGate":
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._old = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum, frame) -> None:
+        self.hit = True
+        if self.in_body:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc: object) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
 
 
 def _unknown_none(value: int) -> int | None:
@@ -144,55 +181,76 @@ class Task:
 
     def run(self, side_task: SideTask) -> Outcome:
         """Hands the loop to the runtime until the work is done, the task is stopped or the
-        trainer leaves. Re-raises whatever a SideTask method raised."""
+        trainer leaves. Re-raises whatever a SideTask method raised, and KeyboardInterrupt on
+        Ctrl-C (after finish() ran), also while the task waits for a bubble."""
         raised: list[BaseException] = []
+        gate = _SigintGate()
+
+        def interrupted() -> bool:
+            # After a method raised, the runtime is ending the run: only finish is still called
+            # (always), so its cleanup runs; what raised first is what run re-raises.
+            if gate.hit and not raised:
+                raised.append(KeyboardInterrupt())
+            return bool(raised)
 
         def guard(fn, *args, always: bool = False) -> int:
-            # After a method raised, the runtime is ending the run: only finish is still
-            # called (always), so its cleanup runs; what raised first is what run re-raises.
-            if raised and not always:
+            if interrupted() and not always:
                 return -1
             try:
-                fn(*args)
-                return 0
+                gate.in_body = True
+                result = fn(*args)
+                gate.in_body = False
+                return result
             except BaseException as exc:  # noqa: BLE001 - carried across C and re-raised
+                gate.in_body = False
                 raised.append(exc)
                 return -1
 
+        def call(fn) -> int:
+            fn()
+            return 0
+
         def step(_user, info_p) -> int:
-            if raised:
+            if interrupted():
                 return -1
             c = info_p.contents
             scope = ViewScope()
-            try:
+
+            def body() -> int:
                 grant = self._lookup(handle, c.grant_id, c.grant_ptr, c.grant_bytes, scope)
                 info = StepInfo(c.bubble_seq,
                                 BubbleKind(c.kind) if c.kind < 4 else BubbleKind.OTHER,
                                 c.deadline_ns, _unknown_none(c.time_left_ns), c.est_step_ns,
                                 _unknown_none(c.free_mem), grant)
                 return _lib.STEP_DONE if side_task.step(info) is True else _lib.STEP_CONTINUE
-            except BaseException as exc:  # noqa: BLE001
-                raised.append(exc)
-                return -1
+
+            try:
+                return guard(body)
             finally:
                 scope.close()  # a revoked grant is unmapped between steps
+
+        def idle(_user) -> int:
+            return guard(lambda: _lib.STEP_DONE if side_task.idle() is True else 0)
 
         def finish(_user, status) -> None:
             with contextlib.suppress(ValueError):
                 status = Status(status)
-            guard(side_task.finish, status, always=True)
+            guard(call, lambda: side_task.finish(status), always=True)
 
         # The CFUNCTYPE objects must outlive bb_task_run: they are held in locals until it returns.
         cbs = _lib.TaskCallbacks()
         lib.bb_task_callbacks_init(ctypes.byref(cbs))
-        cbs.init = _lib.INIT_FN(lambda _u: guard(side_task.init))
+        cbs.init = _lib.INIT_FN(lambda _u: guard(call, side_task.init))
         cbs.step = _lib.STEP_FN(step)
-        cbs.pause = _lib.INIT_FN(lambda _u: guard(side_task.pause))
-        cbs.resume = _lib.INIT_FN(lambda _u: guard(side_task.resume))
+        cbs.pause = _lib.INIT_FN(lambda _u: guard(call, side_task.pause))
+        cbs.resume = _lib.INIT_FN(lambda _u: guard(call, side_task.resume))
         cbs.finish = _lib.FINISH_FN(finish)
+        cbs.idle = _lib.INIT_FN(idle)
         handle = self._handle
         self._unmapping()
-        status = lib.bb_task_run(handle, ctypes.byref(cbs))
+        with gate:
+            status = lib.bb_task_run(handle, ctypes.byref(cbs))
+        interrupted()  # a Ctrl-C no callback saw (the run ended first) is not lost either
         if raised:
             raise raised[0]
         if status == Status.OK:
@@ -211,10 +269,16 @@ class Task:
         """Blocks until the trainer starts this task in a bubble; None after `timeout` seconds.
         Raises Stopped when told to stop and TrainerGone when the trainer left."""
         out = _lib.StartInfoC(size=ctypes.sizeof(_lib.StartInfoC))
-        timeout_ns = -1 if timeout is None else max(0, int(timeout * 1e9))
         handle = self._handle
         self._unmapping()
-        status = lib.bb_task_wait_start(handle, timeout_ns, ctypes.byref(out))
+        if timeout is None:
+            # In slices: Python raises a Ctrl-C's KeyboardInterrupt only when the call returns.
+            while (status := lib.bb_task_wait_start(handle, _lib.TASK_IDLE_NS,
+                                                    ctypes.byref(out))) == Status.E_TIMEOUT:
+                handle = self._handle  # closed meanwhile by another thread: raises
+        else:
+            timeout_ns = max(0, int(timeout * 1e9))
+            status = lib.bb_task_wait_start(handle, timeout_ns, ctypes.byref(out))
         if status == Status.E_TIMEOUT:
             return None
         check(status)

@@ -362,15 +362,26 @@ typedef struct bb_task_callbacks_t {
   int (*pause)(void *user);
   int (*resume)(void *user);
   void (*finish)(void *user, bb_status status);
+  /* Called while the task waits for a bubble, at least every BB_TASK_IDLE_NS (the first time
+   * after that long without one), never during a bubble: the place to notice a request to end
+   * the run (a signal handler's flag, a shutdown channel). Return 0 to keep waiting,
+   * BB_STEP_DONE to end the run as finished (BB_OK), or a negative value to end it failed
+   * (BB_E_CALLBACK). NULL, or past the end of an older caller's shorter struct: the task just
+   * waits. */
+  int (*idle)(void *user);
 } bb_task_callbacks_t;
 
-#define BB_TASK_CALLBACKS_INIT {sizeof(bb_task_callbacks_t), 0u, NULL, NULL, NULL, NULL, NULL, NULL}
+#define BB_TASK_IDLE_NS 100000000ull /* 100 ms */
+
+#define BB_TASK_CALLBACKS_INIT \
+  {sizeof(bb_task_callbacks_t), 0u, NULL, NULL, NULL, NULL, NULL, NULL, NULL}
 BB_API void bb_task_callbacks_init(bb_task_callbacks_t *cbs);
 
 /* Iterative: runs init, then in every bubble resume, steps while the measured step time fits
- * before the deadline and no pause is asked, then pause and an ack. Returns BB_OK when step
- * returned BB_STEP_DONE, BB_E_STOPPED when told to stop, BB_E_TRAINER_GONE, or BB_E_CALLBACK.
- * finish is called once with that status before returning. */
+ * before the deadline and no pause is asked, then pause and an ack; idle between bubbles.
+ * Returns BB_OK when step or idle returned BB_STEP_DONE, BB_E_STOPPED when told to stop,
+ * BB_E_TRAINER_GONE, or BB_E_CALLBACK. finish is called once with that status before
+ * returning. */
 BB_API bb_status bb_task_run(bb_task_h task, const bb_task_callbacks_t *callbacks);
 
 /* ---------------------------------------------------------------------------------------------

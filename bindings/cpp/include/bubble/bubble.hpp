@@ -447,7 +447,9 @@ enum class step_result { more, done };
 enum class outcome { finished, stopped, trainer_gone };
 
 // The iterative interface: derive and override step (and any of the others). An exception
-// thrown from any of them ends the run, and task::run rethrows it.
+// thrown from any of them ends the run, and task::run rethrows it. idle is called about every
+// 100 ms while the task waits for a bubble (never inside one): done from it ends the run as
+// finished, the place to notice a shutdown asked of the task.
 class side_task {
  public:
   virtual ~side_task() = default;
@@ -456,11 +458,12 @@ class side_task {
   virtual void pause() {}
   virtual void resume() {}
   virtual void finish(status) {}
+  virtual step_result idle() { return step_result::more; }
 };
 
 #ifdef BUBBLE_HPP_CONCEPTS
 // Anything with step(const step_info&) -> step_result can run without deriving from side_task;
-// init/pause/resume/finish are called when present.
+// init/pause/resume/finish/idle are called when present.
 template <typename T>
 concept side_task_like = requires(T& t, const step_info& i) {
   { t.step(i) } -> std::same_as<step_result>;
@@ -584,6 +587,13 @@ class task {
         return 0;
       });
     }
+    static int idle(void* u) noexcept {
+      return guarded(u, [](T& t) {
+        if constexpr (requires_idle)
+          return t.idle() == step_result::done ? BB_STEP_DONE : BB_STEP_CONTINUE;
+        return BB_STEP_CONTINUE;
+      });
+    }
     static void finish(void* u, bb_status s) noexcept {
       (void)guarded(
           u,
@@ -611,7 +621,12 @@ class task {
     template <typename U>
     struct has_finish<U, std::void_t<decltype(std::declval<U&>().finish(status::OK))>>
         : std::true_type {};
+    template <typename U, typename = void>
+    struct has_idle : std::false_type {};
+    template <typename U>
+    struct has_idle<U, std::void_t<decltype(std::declval<U&>().idle())>> : std::true_type {};
     static constexpr bool requires_init = has_init<T>::value;
+    static constexpr bool requires_idle = has_idle<T>::value;
     static constexpr bool requires_pause = has_pause<T>::value;
     static constexpr bool requires_resume = has_resume<T>::value;
     static constexpr bool requires_finish = has_finish<T>::value;
@@ -629,6 +644,7 @@ class task {
     cbs.pause = &B::pause;
     cbs.resume = &B::resume;
     cbs.finish = &B::finish;
+    if constexpr (B::requires_idle) cbs.idle = &B::idle;  // without it the runtime just waits
     bb_status s = bb_task_run(h_.get(), &cbs);
     if (b.failure) std::rethrow_exception(b.failure);
     switch (s) {

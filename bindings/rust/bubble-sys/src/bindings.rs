@@ -7,6 +7,7 @@ pub const BB_MAX_SLOTS_LIMIT: u32 = 256;
 pub const BB_NAME_MAX: u32 = 47;
 pub const BB_STEP_CONTINUE: u32 = 0;
 pub const BB_STEP_DONE: u32 = 1;
+pub const BB_TASK_IDLE_NS: u32 = 100000000;
 pub type __int32_t = ::std::os::raw::c_int;
 pub type __uint32_t = ::std::os::raw::c_uint;
 pub type __int64_t = ::std::os::raw::c_long;
@@ -1703,12 +1704,15 @@ pub struct bb_task_callbacks_t {
     pub finish: ::std::option::Option<
         unsafe extern "C" fn(user: *mut ::std::os::raw::c_void, status: bb_status),
     >,
+    pub idle: ::std::option::Option<
+        unsafe extern "C" fn(user: *mut ::std::os::raw::c_void) -> ::std::os::raw::c_int,
+    >,
 }
 #[test]
 fn bindgen_test_layout_bb_task_callbacks_t() {
     assert_eq!(
         ::std::mem::size_of::<bb_task_callbacks_t>(),
-        56usize,
+        64usize,
         concat!("Size of: ", stringify!(bb_task_callbacks_t))
     );
     assert_eq!(
@@ -1852,6 +1856,23 @@ fn bindgen_test_layout_bb_task_callbacks_t() {
         );
     }
     test_field_finish();
+    fn test_field_idle() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_task_callbacks_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).idle) as usize - ptr as usize
+            },
+            56usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_task_callbacks_t),
+                "::",
+                stringify!(idle)
+            )
+        );
+    }
+    test_field_idle();
 }
 extern "C" {
     pub fn bb_task_callbacks_init(cbs: *mut bb_task_callbacks_t);

@@ -83,7 +83,9 @@ pub struct TimeLeft {
 /// step time fits, and `pause`/`resume` around each bubble. An error or a panic in any method
 /// ends the run; `Task::run` returns the error (status `Callback`) or resumes the panic.
 /// `finish` is called once at the end of every run, also after such a failure, so cleanup put
-/// there always runs.
+/// there always runs. `idle` is called about every 100 ms while the task waits for a bubble
+/// (never inside one): `Step::Done` from it ends the run as finished, the place to notice a
+/// shutdown asked of the task.
 pub trait SideTask {
     fn init(&mut self) -> TaskResult<()> {
         Ok(())
@@ -96,6 +98,9 @@ pub trait SideTask {
         Ok(())
     }
     fn finish(&mut self, _status: Option<Status>) {}
+    fn idle(&mut self) -> TaskResult<Step> {
+        Ok(Step::Continue)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -220,6 +225,7 @@ impl Task {
         cbs.pause = Some(Bridge::<T>::pause);
         cbs.resume = Some(Bridge::<T>::resume);
         cbs.finish = Some(Bridge::<T>::finish);
+        cbs.idle = Some(Bridge::<T>::idle);
         // SAFETY: bridge outlives the call; the callbacks only run inside it, on this thread.
         let code = unsafe { sys::bb_task_run(self.raw.as_ptr(), &cbs) };
         let last = (code != sys::BB_OK).then(|| Error::last(code));
@@ -423,6 +429,14 @@ impl<T: SideTask> Bridge<'_, T> {
     }
     unsafe extern "C" fn resume(user: *mut c_void) -> c_int {
         Self::guarded(user, |t| t.resume().map(|_| 0))
+    }
+    unsafe extern "C" fn idle(user: *mut c_void) -> c_int {
+        Self::guarded(user, |t| {
+            t.idle().map(|s| match s {
+                Step::Continue => sys::BB_STEP_CONTINUE as c_int,
+                Step::Done => sys::BB_STEP_DONE as c_int,
+            })
+        })
     }
     unsafe extern "C" fn finish(user: *mut c_void, status: sys::bb_status) {
         let status = (status != sys::BB_OK).then(|| Status::from_raw(status));

@@ -212,6 +212,29 @@ fn step_done_finishes_the_run() {
     assert_eq!(c.finished, Some(None));
 }
 
+#[test]
+fn idle_runs_while_the_task_waits_and_done_finishes_the_run() {
+    struct Idler {
+        idles: u32,
+    }
+    impl SideTask for Idler {
+        fn step(&mut self, _: &StepInfo<'_>) -> TaskResult<Step> {
+            Ok(Step::Continue)
+        }
+        fn idle(&mut self) -> TaskResult<Step> {
+            self.idles += 1;
+            Ok(if self.idles == 3 { Step::Done } else { Step::Continue })
+        }
+    }
+    let env = Env::new();
+    let _trainer = env.trainer();
+    let mut task = Task::attach(&env.job, 0, "idler", &env.task_options()).unwrap();
+    let mut idler = Idler { idles: 0 };
+    // No bubble is ever begun: only idle can end the run.
+    assert_eq!(task.run(&mut idler).unwrap(), Outcome::Finished);
+    assert_eq!(idler.idles, 3);
+}
+
 #[derive(Debug)]
 struct Lost;
 impl std::fmt::Display for Lost {

@@ -1,0 +1,107 @@
+"""Ctrl-C reaches a Python side task while it waits for a bubble, in both styles: the
+imperative wait_start() and the iterative run(). Python raises KeyboardInterrupt only when it
+runs bytecode again, so a wait that stays in C for good (or a callback that swallows the
+exception, as ctypes does) would leave the task deaf to it."""
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import bubble
+
+from conftest import eventually
+
+CHILD = r'''
+import sys, bubble
+job, style = sys.argv[1], sys.argv[2]
+task = bubble.Task(job, 0, "ctrl-c", wake_mode=bubble.WakeMode.SLEEP)
+
+class Idle(bubble.SideTask):
+    def step(self, info):
+        print("STEP", flush=True)
+    def finish(self, status):
+        print("FINISH", getattr(status, "name", status), flush=True)
+
+print("WAITING", flush=True)
+try:
+    if style == "run":
+        task.run(Idle())
+    else:
+        task.wait_start()
+except KeyboardInterrupt:
+    print("INTERRUPTED", flush=True)
+    raise
+print("RETURNED", flush=True)
+'''
+
+
+def read_until(proc: subprocess.Popen, seen: list[str], word: str, timeout: float) -> list[str]:
+    """Reads proc's stdout lines into seen until one is `word` (fails after timeout)."""
+    end = time.monotonic() + timeout
+    fd = proc.stdout.fileno()
+    partial = b""
+    while word not in seen:
+        left = end - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise AssertionError(f"no {word!r} line within {timeout} s; got {seen}, "
+                                 f"exit {proc.poll()}")
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            raise AssertionError(f"stdout ended before a {word!r} line; got {seen}, "
+                                 f"exit {proc.wait()}")
+        *done, partial = (partial + chunk).split(b"\n")
+        seen += [line.decode() for line in done]
+    return seen
+
+
+@pytest.mark.parametrize("style", ["wait_start", "run"])
+def test_ctrl_c_interrupts_a_task_waiting_for_a_bubble(job, style):
+    with bubble.Trainer(job, 0) as trainer:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        proc = subprocess.Popen([sys.executable, "-c", CHILD, job, style], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            lines: list[str] = []
+            read_until(proc, lines, "WAITING", 20)
+            assert eventually(lambda: any(t.name == "ctrl-c" for t in trainer.tasks()))
+            time.sleep(0.5)  # well inside the wait, which never ends: no bubble comes
+            proc.send_signal(signal.SIGINT)
+            read_until(proc, lines, "INTERRUPTED", 10)
+            assert proc.wait(timeout=10) != 0
+            assert "RETURNED" not in lines
+            if style == "run":
+                # finish ran before run() re-raised, and the run counts as failed.
+                assert "FINISH E_CALLBACK" in lines
+            assert b"KeyboardInterrupt" in proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
+
+
+def test_idle_runs_while_waiting_ends_the_run_and_the_sigint_handler_comes_back(job):
+    class Idler(bubble.SideTask):
+        calls = 0
+
+        def step(self, info):
+            raise AssertionError("no bubble was begun")
+
+        def idle(self):
+            self.calls += 1
+            return self.calls == 3
+
+    before = signal.getsignal(signal.SIGINT)
+    side = Idler()
+    with bubble.Trainer(job, 0):
+        with bubble.Task(job, 0, "idler") as task:
+            assert task.run(side) is bubble.Outcome.FINISHED  # on the main thread
+    assert side.calls == 3
+    assert signal.getsignal(signal.SIGINT) is before
