@@ -132,19 +132,19 @@ sqlite3_stmt* Store::prepare(const char* sql) {
   return st;
 }
 
-std::string Store::open(const std::string& path) {
+std::string Store::open(const std::string& path, const char* vfs) {
   if (sqlite3_open_v2(path.c_str(), &db_,
                       SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
-                      nullptr) != SQLITE_OK) {
+                      vfs) != SQLITE_OK) {
     std::string e = "cannot open the database " + path + ": " +
                     (db_ ? sqlite3_errmsg(db_) : "out of memory") +
                     " (check the state directory, --state-dir)";
     return e;
   }
   sqlite3_busy_timeout(db_, 2000);
-  // WAL keeps readers and the writer apart; synchronous=FULL makes every commit durable
-  // before the agent acknowledges it.
-  if (!exec("PRAGMA journal_mode=WAL;") || !exec("PRAGMA synchronous=FULL;") ||
+  // WAL keeps readers and the writer apart. synchronous=NORMAL: a commit is in the file (an
+  // agent that dies loses nothing) without a sync; submissions sync (synced(), store.h).
+  if (!exec("PRAGMA journal_mode=WAL;") || !exec("PRAGMA synchronous=NORMAL;") ||
       !exec(kSchema)) {
     return "cannot initialize the database " + path + ": " + error_ +
            " (another bubbled may hold it, or it is not a bubbled database)";
@@ -158,9 +158,12 @@ bool Store::insert_task(TaskRow* row) {
   Stmt s{prepare(sql.c_str())};
   if (!s.st) return false;
   bind_task(s.st, *row);
-  if (sqlite3_step(s.st) != SQLITE_DONE) return fail("insert task");
-  row->id = sqlite3_last_insert_rowid(db_);
-  return true;
+  // A submission's id is returned to its client: it must survive what the client survives.
+  return synced([&] {
+    if (sqlite3_step(s.st) != SQLITE_DONE) return fail("insert task");
+    row->id = sqlite3_last_insert_rowid(db_);
+    return true;
+  });
 }
 
 bool Store::update_task(const TaskRow& row) {
@@ -317,8 +320,7 @@ bool Store::set_meta(const std::string& key, const std::string& value) {
   if (!s.st) return false;
   sqlite3_bind_text(s.st, 1, key.c_str(), -1, SQLITE_TRANSIENT);
   sqlite3_bind_text(s.st, 2, value.c_str(), -1, SQLITE_TRANSIENT);
-  if (sqlite3_step(s.st) != SQLITE_DONE) return fail("set meta");
-  return true;
+  return synced([&] { return sqlite3_step(s.st) == SQLITE_DONE || fail("set meta"); });
 }
 
 }  // namespace bb::daemon

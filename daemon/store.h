@@ -1,6 +1,10 @@
 // Durable records: every submission, every task's fate and every enforcement action, in an
-// SQLite database in WAL mode. A write returns only once it is on disk, so an agent killed at
-// any point loses nothing it has acknowledged.
+// SQLite database in WAL mode. Every write is in the file when it returns, so an agent killed at
+// any point loses nothing. A submission (and a meta change) is also synced to the disk before it
+// returns, so it survives a power loss; the other writes are not (synchronous=NORMAL): they
+// happen on the agent's loop, as often as enforcement acts, and a sync each would stall the
+// loop for a disk's flush. A power loss can lose the last of them, which describe processes
+// that died with the machine; the next sync (a submission, or SQLite's checkpoint) carries them.
 #pragma once
 
 #include "daemon/task.h"
@@ -19,8 +23,9 @@ class Store {
   Store(const Store&) = delete;
   Store& operator=(const Store&) = delete;
 
-  // Opens (creating if needed) the database. Returns "" or an error sentence.
-  std::string open(const std::string& path);
+  // Opens (creating if needed) the database. Returns "" or an error sentence. vfs: an SQLite
+  // VFS name (tests count syncs through one); nullptr is the default.
+  std::string open(const std::string& path, const char* vfs = nullptr);
 
   // Inserts a new task and sets row->id.
   bool insert_task(TaskRow* row);
@@ -54,6 +59,17 @@ class Store {
   bool exec(const char* sql);
   sqlite3_stmt* prepare(const char* sql);
   bool fail(const char* what);
+  // Runs f with synchronous=FULL: what it commits is on the disk when it returns.
+  template <typename F>
+  bool synced(F&& f) {
+    if (!exec("PRAGMA synchronous=FULL;")) return false;
+    const bool ok = f();
+    // Back to NORMAL even after a failure; an error here only costs later writes a sync.
+    const std::string err = error_;
+    (void)exec("PRAGMA synchronous=NORMAL;");
+    error_ = err;
+    return ok;
+  }
 
   sqlite3* db_ = nullptr;
   std::string error_;

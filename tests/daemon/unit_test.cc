@@ -322,6 +322,134 @@ TEST_CASE("store_deletes_tasks_with_their_actions_trims_actions_and_counts_what_
   REQUIRE(system((std::string("rm -rf ") + dir).c_str()) == 0);
 }
 
+namespace {
+// An SQLite VFS over the default one that counts the syncs of the files it opens: what a
+// durable write costs the disk, seen from SQLite's side.
+struct SyncCounter {
+  static inline int syncs = 0;
+  static inline sqlite3_vfs* real = nullptr;
+  static inline sqlite3_vfs vfs{};
+  static inline sqlite3_io_methods methods{};
+  struct File {
+    sqlite3_file base;
+    sqlite3_file* inner;  // the default VFS's file, right after this struct
+  };
+  static sqlite3_file* in(sqlite3_file* f) { return reinterpret_cast<File*>(f)->inner; }
+
+  static void install() {
+    if (real) return;
+    real = sqlite3_vfs_find(nullptr);
+    vfs = *real;
+    vfs.zName = "bb-sync-counter";
+    vfs.szOsFile = int(sizeof(File)) + real->szOsFile;
+    vfs.xOpen = [](sqlite3_vfs*, const char* name, sqlite3_file* f, int flags, int* out) {
+      File* w = reinterpret_cast<File*>(f);
+      w->inner = reinterpret_cast<sqlite3_file*>(w + 1);
+      const int rc = real->xOpen(real, name, w->inner, flags, out);
+      // The base's methods say whether xClose is owed: only when the inner file opened.
+      w->base.pMethods = w->inner->pMethods ? &methods : nullptr;
+      if (w->inner->pMethods && methods.iVersion == 0) wrap(w->inner->pMethods);
+      return rc;
+    };
+    REQUIRE(sqlite3_vfs_register(&vfs, 0) == SQLITE_OK);
+  }
+  // Every method passes through to the inner file; xSync also counts.
+  static void wrap(const sqlite3_io_methods* m) {
+    methods = *m;
+    methods.xClose = [](sqlite3_file* f) { return in(f)->pMethods->xClose(in(f)); };
+    methods.xRead = [](sqlite3_file* f, void* b, int n, sqlite3_int64 o) {
+      return in(f)->pMethods->xRead(in(f), b, n, o);
+    };
+    methods.xWrite = [](sqlite3_file* f, const void* b, int n, sqlite3_int64 o) {
+      return in(f)->pMethods->xWrite(in(f), b, n, o);
+    };
+    methods.xTruncate = [](sqlite3_file* f, sqlite3_int64 n) {
+      return in(f)->pMethods->xTruncate(in(f), n);
+    };
+    methods.xSync = [](sqlite3_file* f, int flags) {
+      ++syncs;
+      return in(f)->pMethods->xSync(in(f), flags);
+    };
+    methods.xFileSize = [](sqlite3_file* f, sqlite3_int64* n) {
+      return in(f)->pMethods->xFileSize(in(f), n);
+    };
+    methods.xLock = [](sqlite3_file* f, int l) { return in(f)->pMethods->xLock(in(f), l); };
+    methods.xUnlock = [](sqlite3_file* f, int l) { return in(f)->pMethods->xUnlock(in(f), l); };
+    methods.xCheckReservedLock = [](sqlite3_file* f, int* r) {
+      return in(f)->pMethods->xCheckReservedLock(in(f), r);
+    };
+    methods.xFileControl = [](sqlite3_file* f, int op, void* a) {
+      return in(f)->pMethods->xFileControl(in(f), op, a);
+    };
+    methods.xSectorSize = [](sqlite3_file* f) { return in(f)->pMethods->xSectorSize(in(f)); };
+    methods.xDeviceCharacteristics = [](sqlite3_file* f) {
+      return in(f)->pMethods->xDeviceCharacteristics(in(f));
+    };
+    methods.xShmMap = [](sqlite3_file* f, int i, int n, int e, void volatile** p) {
+      return in(f)->pMethods->xShmMap(in(f), i, n, e, p);
+    };
+    methods.xShmLock = [](sqlite3_file* f, int o, int n, int fl) {
+      return in(f)->pMethods->xShmLock(in(f), o, n, fl);
+    };
+    methods.xShmBarrier = [](sqlite3_file* f) { in(f)->pMethods->xShmBarrier(in(f)); };
+    methods.xShmUnmap = [](sqlite3_file* f, int d) { return in(f)->pMethods->xShmUnmap(in(f), d); };
+    methods.xFetch = [](sqlite3_file* f, sqlite3_int64 o, int n, void** p) {
+      return in(f)->pMethods->xFetch(in(f), o, n, p);
+    };
+    methods.xUnfetch = [](sqlite3_file* f, sqlite3_int64 o, void* p) {
+      return in(f)->pMethods->xUnfetch(in(f), o, p);
+    };
+  }
+};
+}  // namespace
+
+// The agent writes on its loop thread: a submission is synced before its id goes back, but the
+// writes enforcement makes as often as every bubble (task updates, actions) are not, or each
+// would stall the loop for a disk flush. All of them are in the file for the next open.
+TEST_CASE("store_syncs_submissions_but_not_the_frequent_records") {
+  SyncCounter::install();
+  char dir[] = "/tmp/bb-store-XXXXXX";
+  REQUIRE(mkdtemp(dir) != nullptr);
+  const std::string path = std::string(dir) + "/db";
+  int64_t id = 0;
+  {
+    Store s;
+    REQUIRE(s.open(path, "bb-sync-counter").empty());
+    int before = SyncCounter::syncs;
+    TaskRow row;
+    row.spec.name = "t";
+    REQUIRE(s.insert_task(&row));
+    id = row.id;
+    CHECK(SyncCounter::syncs > before);
+    before = SyncCounter::syncs;
+    REQUIRE(s.set_meta("draining", "1"));
+    CHECK(SyncCounter::syncs > before);
+    before = SyncCounter::syncs;
+    // 100 of each: well below the 1000 pages at which SQLite checkpoints (and syncs) the WAL.
+    for (int i = 0; i < 100; ++i) {
+      row.state = i % 2 ? "running" : "stopped";
+      row.violations = uint32_t(i);
+      REQUIRE(s.update_task(row));
+      ActionRow a;
+      a.task = id;
+      a.action = i % 2 ? "continue" : "stop";
+      REQUIRE(s.insert_action(a));
+    }
+    CHECK(SyncCounter::syncs == before);
+  }
+  {
+    Store s;
+    REQUIRE(s.open(path).empty());
+    auto rows = s.load_tasks();
+    REQUIRE(rows.size() == 1);
+    CHECK(rows[0].violations == 99);
+    CHECK(rows[0].state == "running");
+    CHECK(s.count_actions() == 100);
+    CHECK(s.get_meta("draining") == "1");
+  }
+  REQUIRE(system((std::string("rm -rf ") + dir).c_str()) == 0);
+}
+
 TEST_CASE("a_log_past_its_bound_drops_its_oldest_output_and_keeps_its_offsets") {
   using bb::daemon::bound_log;
   using bb::daemon::read_log;
