@@ -5,7 +5,9 @@
  *   JOB "-" takes the hub from $BUBBLE_JOB / $BUBBLE_RANK (as the agent launches tasks).
  *   MODE: iterative   bb_task_run with busy steps of --step-us
  *         imperative  bb_task_wait_start / should_pause / ack_pause loop
- *         ignore      attaches and then never reads a command or acks (a hung task)
+ *         ignore      attaches and then never reads a command or acks (a hung task). It
+ *                     sleeps rather than spins: what the trainer sees is the same, and a
+ *                     spinning one took a core from the tasks beside it on a 2-core machine
  *         attach-only attaches, prints ATTACHED, sleeps until killed
  *         grant-hang  waits for a start with a grant, writes it, then never calls libbubble
  *                     again (a task that ignores a revoke)
@@ -232,7 +234,7 @@ int main(int argc, char **argv) {
       point("acked");
     }
   } else if (!strcmp(mode, "ignore")) {
-    for (;;) busy(1000000000ull);
+    for (;;) pause();
   } else if (!strcmp(mode, "attach-only")) {
     for (;;) pause();
   } else if (!strcmp(mode, "grant-hang") || !strcmp(mode, "grant-leave")) {
