@@ -262,8 +262,9 @@ bb_status bb_task_run(bb_task_h task, const bb_task_callbacks_t* callbacks) {
   if (!task) return fail(BB_E_INVALID, "task is NULL");
   if (!callbacks) return fail(BB_E_INVALID, "callbacks is NULL");
   bb_task_callbacks_t cbs;
+  // A struct from before idle ends where idle begins: it has none.
   bb_status st = read_options(callbacks, bb_task_callbacks_t BB_TASK_CALLBACKS_INIT,
-                              sizeof(bb_task_callbacks_t), "bb_task_callbacks_t", &cbs);
+                              offsetof(bb_task_callbacks_t, idle), "bb_task_callbacks_t", &cbs);
   if (st != BB_OK) return st;
   BB_GUARD(return task->impl->run(cbs));
 }

@@ -224,21 +224,30 @@ void Task::check_trainer_while_running() const {
   if (trainer_gone()) trainer_lost_ = true;
 }
 
-bb_status Task::reattach() {
+bb_status Task::reattach(uint64_t wait_until) {
   release();
   if (opts_.on_trainer_exit != BB_ON_TRAINER_EXIT_WAIT)
     return fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u closed its hub or exited",
                 job_.c_str(), rank_);
-  const uint64_t until = now_ns() + opts_.reattach_timeout_ns;
+  if (reattach_until_ == 0) reattach_until_ = now_ns() + opts_.reattach_timeout_ns;
   for (;;) {
     const bb_status st = connect();
-    if (st == BB_OK) return BB_OK;
-    if (st != BB_E_NOT_FOUND && st != BB_E_TRAINER_GONE) return st;
-    if (now_ns() >= until)
+    if (st == BB_OK || (st != BB_E_NOT_FOUND && st != BB_E_TRAINER_GONE)) {
+      reattach_until_ = 0;
+      return st;
+    }
+    const uint64_t now = now_ns();
+    if (now >= reattach_until_) {
+      reattach_until_ = 0;
       return fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u exited and no trainer reopened the "
                   "hub within %llu ms", job_.c_str(), rank_,
                   (unsigned long long)(opts_.reattach_timeout_ns / 1000000));
-    sleep_ns(kReattachPollNs);
+    }
+    // A wait with a timeout (an idle callback's slice among them) comes back meanwhile.
+    if (now >= wait_until)
+      return fail(BB_E_TIMEOUT, "no bubble started this task within the timeout (it is waiting "
+                  "for its trainer to reopen the hub)");
+    sleep_ns(std::min<uint64_t>({kReattachPollNs, reattach_until_ - now, wait_until - now}));
   }
 }
 
@@ -316,13 +325,13 @@ bb_status Task::ack_pause() {
 
 bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
   if (stopped_) return fail(BB_E_STOPPED, "the task was told to stop: finish and detach");
+  const uint64_t start = now_ns();
+  const uint64_t until = timeout_ns < 0 ? UINT64_MAX : start + uint64_t(timeout_ns);
   if (!sock_) {
-    bb_status st = reattach();
+    bb_status st = reattach(until);
     if (st != BB_OK) return st;
   }
   if (epoch_ != 0) ack_pause();  // waiting again means the previous run is over
-  const uint64_t start = now_ns();
-  const uint64_t until = timeout_ns < 0 ? UINT64_MAX : start + uint64_t(timeout_ns);
   uint64_t seen_ns = 0;  // when the last wait saw the doorbell move
   for (;;) {
     const uint32_t bell = ctl_->doorbell.load(std::memory_order_acquire);
@@ -398,7 +407,7 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
       return fail(BB_E_STOPPED, "the task was told to stop: finish and detach");
     }
     if (hub_.stats()->closing.load(std::memory_order_acquire)) {
-      bb_status st = reattach();
+      bb_status st = reattach(until);
       if (st != BB_OK) return st;
       continue;
     }
@@ -446,7 +455,7 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
     if (shm::spin_until_changed(word, bell, std::min<uint64_t>(until - now, kLivenessSliceNs),
                                 seen_ns))
       return BB_OK;
-    return trainer_gone() ? reattach() : BB_OK;
+    return trainer_gone() ? reattach(until) : BB_OK;
   }
   uint64_t spin = std::min<uint64_t>(spin_ns_, until - now);
   uint64_t sleep_until = until;
@@ -509,7 +518,7 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
     else
       spin_ns_ = std::max<uint64_t>(spin_ns_ / 2, std::min<uint64_t>(kMinSpinNs, opts_.spin_ns));
   }
-  if (w == shm::WaitResult::kTimeout && trainer_gone()) return reattach();
+  if (w == shm::WaitResult::kTimeout && trainer_gone()) return reattach(until);
   return BB_OK;
 }
 
@@ -563,22 +572,29 @@ bb_status Task::run(const bb_task_callbacks_t& cbs) {
   };
   if (cbs.init && cbs.init(user) < 0) failed_cb("init");
   bool done = false;
+  // Idle is due BB_TASK_IDLE_NS after its last call (or the run's start), and called once due and
+  // between bubbles: bubbles closer together than that do not put it off.
+  uint64_t idle_due = now_ns() + BB_TASK_IDLE_NS;
   while (result == BB_OK && !done) {
     bb_start_info_t info{sizeof info};
-    bb_status st;
-    // With an idle callback, the wait comes back every BB_TASK_IDLE_NS to call it.
-    while ((st = wait_start(cbs.idle ? int64_t(BB_TASK_IDLE_NS) : -1, &info)) == BB_E_TIMEOUT &&
-           cbs.idle) {
+    bb_status st = BB_OK;
+    for (;;) {
+      const uint64_t now = now_ns();
+      if (cbs.idle && now >= idle_due) {
+        idle_due = now + BB_TASK_IDLE_NS;
+        const int rc = cbs.idle(user);
+        if (rc < 0) {
+          failed_cb("idle");
+          break;
+        }
+        if (rc == BB_STEP_DONE) {
+          done = true;
+          break;
+        }
+      }
+      st = wait_start(cbs.idle ? int64_t(idle_due - std::min(idle_due, now_ns())) : -1, &info);
+      if (st != BB_E_TIMEOUT || !cbs.idle) break;
       clear_error();
-      const int rc = cbs.idle(user);
-      if (rc < 0) {
-        failed_cb("idle");
-        break;
-      }
-      if (rc == BB_STEP_DONE) {
-        done = true;
-        break;
-      }
     }
     if (result != BB_OK || done) break;
     if (st != BB_OK) {

@@ -43,7 +43,9 @@ class Task {
  private:
   Task() = default;
   bb_status connect();        // one attach attempt
-  bb_status reattach();       // after the trainer went away, by option
+  // After the trainer went away, by option. Waits at most until wait_until (then BB_E_TIMEOUT;
+  // the next call goes on toward the same reattach deadline).
+  bb_status reattach(uint64_t wait_until = UINT64_MAX);
   void release();             // drop the connection and mappings
   bool trainer_gone() const;  // the connection closed or the hub is closing
   // While running: a trainer that dies mid-bubble never clears run_epoch, so the calls a running
@@ -104,6 +106,7 @@ class Task {
   // its sleeps that much earlier (the mean), so it is spinning when the predicted bubble begins.
   SmoothedEstimate step_est_, sleep_late_;
   uint64_t longest_bubble_ns_ = 0;  // the longest recent bubble, decaying slowly
+  uint64_t reattach_until_ = 0;     // while re-attaching: when to give up (0: not re-attaching)
 
   // The mapped grant (grant_id_ != 0) and the trainer's grant words last applied.
   std::unique_ptr<GrantMapping> mapping_;

@@ -1,7 +1,7 @@
 // Durable records: every submission, every task's fate and every enforcement action, in an
 // SQLite database in WAL mode. Every write is in the file when it returns, so an agent killed at
-// any point loses nothing. A submission (and a meta change) is also synced to the disk before it
-// returns, so it survives a power loss; the other writes are not (synchronous=NORMAL): they
+// any point loses nothing. A submission (and set_meta: the drain setting) is also synced to the
+// disk before it returns, so it survives a power loss; the other writes are not (synchronous=NORMAL): they
 // happen on the agent's loop, as often as enforcement acts, and a sync each would stall the
 // loop for a disk's flush. A power loss can lose the last of them, which describe processes
 // that died with the machine; the next sync (a submission, or SQLite's checkpoint) carries them.
@@ -59,9 +59,11 @@ class Store {
   bool exec(const char* sql);
   sqlite3_stmt* prepare(const char* sql);
   bool fail(const char* what);
-  // Runs f with synchronous=FULL: what it commits is on the disk when it returns.
+  // Runs f with synchronous=FULL: what it commits is on the disk when it returns. Inside a
+  // transaction SQLite keeps the level it began with, so f just runs (its commit decides).
   template <typename F>
   bool synced(F&& f) {
+    if (!sqlite3_get_autocommit(db_)) return f();
     if (!exec("PRAGMA synchronous=FULL;")) return false;
     const bool ok = f();
     // Back to NORMAL even after a failure; an error here only costs later writes a sync.

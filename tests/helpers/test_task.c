@@ -14,9 +14,11 @@
  *         grant-leave waits for a start with a grant, writes it, then closes its sockets and
  *                     sleeps (a task that leaves its slot still mapping the grant)
  *   --step-us N, --prio N, --mem N, --min-step-us N, --max-steps N (then BB_STEP_DONE),
- *   --idle N (iterative): an idle callback that prints "IDLE <n>" (n counts from 1, and whether
- *   a bubble is open is printed as " in-bubble" after it) and returns BB_STEP_DONE at the N-th
- *   call, or -1 there with --idle-fail,
+ *   --idle N (iterative): an idle callback that prints "IDLE <n>" (n counts the calls since the
+ *   last bubble, from 1; " in-bubble" follows if it came inside one) and returns BB_STEP_DONE at
+ *   the N-th call in a row, or -1 there with --idle-fail,
+ *   --old-callbacks (iterative): passes bb_task_callbacks_t with the size of a struct from before
+ *   idle, and an address in idle that would crash if the library called it,
  *   --wait (re-attach when the trainer goes away), --reattach-ms N,
  *   --wake predictive|sleep|spin (how it waits for a start),
  *   --grant-seed N: fill each new grant with the pattern word(i) = N ^ (i * 2654435761), and
@@ -36,6 +38,7 @@
 
 #include <signal.h>
 #include <dirent.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -109,7 +112,7 @@ static int on_step(void *user, const bb_step_info_t *info) {
 }
 
 static unsigned long idle_at = 0, idles = 0;
-static int idle_fail = 0, in_bubble = 0;
+static int idle_fail = 0, in_bubble = 0, old_callbacks = 0;
 
 static int on_idle(void *user) {
   (void)user;
@@ -127,6 +130,7 @@ static int on_pause(void *user) {
 
 static int on_resume(void *user) {
   in_bubble = 1;
+  idles = 0; /* a starved task can see a bubble late and go on waiting: count calls in a row */
   (void)user;
   ++starts;
   return 0;
@@ -161,6 +165,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--max-steps")) max_steps = strtoull(v, NULL, 10), ++i;
     else if (!strcmp(a, "--idle")) idle_at = strtoul(v, NULL, 10), ++i;
     else if (!strcmp(a, "--idle-fail")) idle_fail = 1;
+    else if (!strcmp(a, "--old-callbacks")) old_callbacks = 1;
     else if (!strcmp(a, "--wait")) opts.on_trainer_exit = BB_ON_TRAINER_EXIT_WAIT;
     else if (!strcmp(a, "--reattach-ms")) opts.reattach_timeout_ns = strtoull(v, NULL, 10) * 1000000, ++i;
     else if (!strcmp(a, "--grant-seed")) grant_seed = (uint32_t)strtoul(v, NULL, 10), grant_seed_set = 1, ++i;
@@ -206,6 +211,10 @@ int main(int argc, char **argv) {
     cbs.resume = on_resume;
     cbs.pause = on_pause;
     if (idle_at) cbs.idle = on_idle;
+    if (old_callbacks) {
+      cbs.size = (uint32_t)offsetof(bb_task_callbacks_t, idle);
+      cbs.idle = (int (*)(void *))(uintptr_t)1;
+    }
     st = bb_task_run(task, &cbs);
   } else if (!strcmp(mode, "imperative")) {
     for (;;) {

@@ -88,8 +88,9 @@ TEST_CASE("the_idle_callback_runs_between_bubbles_and_can_end_the_run") {
   RuntimeDir dir;
   Trainer t("idle");
   {
-    // Ten calls: about a second without bubbles, far more than the gaps between the bubbles
-    // below, so the run cannot end before the task stepped.
+    // Ten calls in a row (the task counts from its last bubble): about a second without
+    // bubbles, far more than the gaps between the bubbles below, so the run cannot end before
+    // the task stepped.
     Child task(task_args("idle", "done", "iterative", {"--step-us", "100", "--idle", "10"}));
     REQUIRE(task.wait_line("ATTACHED") != "");
     REQUIRE(eventually([&] { return t.stats().tasks_attached == 1; }));
@@ -98,13 +99,13 @@ TEST_CASE("the_idle_callback_runs_between_bubbles_and_can_end_the_run") {
     const std::string result = task.wait_line("RESULT", 30000);
     CHECK(result.find("RESULT BB_OK") == 0);
     CHECK(task.wait_exit() == 0);
-    int idles = 0;
+    std::string last_idle;
     for (const std::string& line : task.lines()) {
       if (line.rfind("IDLE", 0) != 0) continue;
-      ++idles;
+      last_idle = line;
       CHECK_MESSAGE(line.find("in-bubble") == std::string::npos, line);
     }
-    CHECK(idles == 10);
+    CHECK(last_idle == "IDLE 10");
     CHECK(t.bubbles_until([&] { return t.stats().tasks_reclaimed == 1; }, 200));
   }
   {
@@ -113,6 +114,35 @@ TEST_CASE("the_idle_callback_runs_between_bubbles_and_can_end_the_run") {
     CHECK(task.wait_line("RESULT", 30000).find("RESULT BB_E_CALLBACK") == 0);
     CHECK(task.wait_exit() == 0);
   }
+}
+
+// A task waiting for its trainer to come back (BB_ON_TRAINER_EXIT_WAIT) still gets its idle
+// calls, so it can end the run meanwhile.
+TEST_CASE("the_idle_callback_runs_while_the_task_waits_for_its_trainer_to_come_back") {
+  RuntimeDir dir;
+  auto t = std::make_unique<Trainer>("idlegone");
+  Child task(task_args("idlegone", "w", "iterative", {"--wait", "--idle", "5"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(eventually([&] { return t->stats().tasks_attached == 1; }));
+  t.reset();  // the trainer leaves; the task waits up to its reattach timeout (60 s) for another
+  CHECK(task.wait_line("RESULT", 30000).find("RESULT BB_OK") == 0);
+  CHECK(task.wait_exit() == 0);
+}
+
+// A binary built before bb_task_callbacks_t grew idle passes the shorter size: it runs, and
+// whatever lies past its struct is never read (here an address that would crash if called).
+TEST_CASE("a_callbacks_struct_from_before_idle_still_runs") {
+  RuntimeDir dir;
+  Trainer t("oldcb");
+  Child task(task_args("oldcb", "old", "iterative", {"--step-us", "100", "--old-callbacks"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(eventually([&] { return t.stats().tasks_attached == 1; }));
+  REQUIRE(t.bubbles_until([&] { return t.stats().steps >= 3; }));
+  // Waiting past BB_TASK_IDLE_NS with no bubble: a library that read idle would crash here.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  REQUIRE(bb_trainer_stop_task(t.h, t.task_id("old")) == BB_OK);
+  CHECK(task.wait_line("RESULT", 30000).find("RESULT BB_E_STOPPED") == 0);
+  CHECK(task.wait_exit() == 0);
 }
 
 TEST_CASE("imperative_task_sees_each_start_once") {

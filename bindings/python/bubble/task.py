@@ -8,6 +8,7 @@ import enum
 import os
 import signal
 import threading
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -271,14 +272,17 @@ class Task:
         out = _lib.StartInfoC(size=ctypes.sizeof(_lib.StartInfoC))
         handle = self._handle
         self._unmapping()
-        if timeout is None:
-            # In slices: Python raises a Ctrl-C's KeyboardInterrupt only when the call returns.
-            while (status := lib.bb_task_wait_start(handle, _lib.TASK_IDLE_NS,
-                                                    ctypes.byref(out))) == Status.E_TIMEOUT:
-                handle = self._handle  # closed meanwhile by another thread: raises
-        else:
-            timeout_ns = max(0, int(timeout * 1e9))
-            status = lib.bb_task_wait_start(handle, timeout_ns, ctypes.byref(out))
+        # In slices of at most 100 ms: Python raises a Ctrl-C's KeyboardInterrupt only once the
+        # call returns.
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        while True:
+            left = _lib.TASK_IDLE_NS if deadline is None else min(
+                _lib.TASK_IDLE_NS, max(0, int((deadline - time.monotonic()) * 1e9)))
+            status = lib.bb_task_wait_start(handle, left, ctypes.byref(out))
+            if status != Status.E_TIMEOUT or (deadline is not None
+                                              and time.monotonic() >= deadline):
+                break
+            handle = self._handle  # closed meanwhile by another thread: raises
         if status == Status.E_TIMEOUT:
             return None
         check(status)

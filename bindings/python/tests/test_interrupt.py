@@ -23,12 +23,15 @@ job, style = sys.argv[1], sys.argv[2]
 task = bubble.Task(job, 0, "ctrl-c", wake_mode=bubble.WakeMode.SLEEP)
 
 class Idle(bubble.SideTask):
+    def init(self):
+        print("WAITING", flush=True)  # inside run(), where Ctrl-C must be heard
     def step(self, info):
         print("STEP", flush=True)
     def finish(self, status):
         print("FINISH", getattr(status, "name", status), flush=True)
 
-print("WAITING", flush=True)
+if style != "run":
+    print("WAITING", flush=True)
 try:
     if style == "run":
         task.run(Idle())
@@ -95,6 +98,7 @@ def test_idle_runs_while_waiting_ends_the_run_and_the_sigint_handler_comes_back(
             raise AssertionError("no bubble was begun")
 
         def idle(self):
+            assert signal.getsignal(signal.SIGINT) is not before  # the run's own, meanwhile
             self.calls += 1
             return self.calls == 3
 

@@ -362,12 +362,12 @@ typedef struct bb_task_callbacks_t {
   int (*pause)(void *user);
   int (*resume)(void *user);
   void (*finish)(void *user, bb_status status);
-  /* Called while the task waits for a bubble, at least every BB_TASK_IDLE_NS (the first time
-   * after that long without one), never during a bubble: the place to notice a request to end
-   * the run (a signal handler's flag, a shutdown channel). Return 0 to keep waiting,
-   * BB_STEP_DONE to end the run as finished (BB_OK), or a negative value to end it failed
-   * (BB_E_CALLBACK). NULL, or past the end of an older caller's shorter struct: the task just
-   * waits. */
+  /* Called between bubbles, never inside one, once BB_TASK_IDLE_NS has passed since its last
+   * call (or since the run began): about every 100 ms while the task waits, also while it waits
+   * for its trainer to come back. The place to notice a request to end the run (a signal
+   * handler's flag, a shutdown channel). Return BB_STEP_DONE to end the run as finished (BB_OK),
+   * a negative value to end it failed (BB_E_CALLBACK), anything else to go on waiting. NULL, or
+   * past the end of an older caller's shorter struct: the task just waits. */
   int (*idle)(void *user);
 } bb_task_callbacks_t;
 

@@ -624,7 +624,8 @@ class task {
     template <typename U, typename = void>
     struct has_idle : std::false_type {};
     template <typename U>
-    struct has_idle<U, std::void_t<decltype(std::declval<U&>().idle())>> : std::true_type {};
+    struct has_idle<U, std::void_t<decltype(std::declval<U&>().idle())>>
+        : std::is_same<decltype(std::declval<U&>().idle()), step_result> {};
     static constexpr bool requires_init = has_init<T>::value;
     static constexpr bool requires_idle = has_idle<T>::value;
     static constexpr bool requires_pause = has_pause<T>::value;
