@@ -319,7 +319,9 @@ typedef struct bb_start_info_t {
 
 /* Imperative: wait until the trainer starts this task in a bubble. timeout_ns < 0 waits
  * forever. BB_E_TIMEOUT, BB_E_STOPPED (finish and detach) and BB_E_TRAINER_GONE are the
- * expected non-OK results. out may be NULL. */
+ * expected non-OK results. The timeout holds while the task waits for its trainer to come back
+ * (BB_ON_TRAINER_EXIT_WAIT) too: the next call goes on waiting toward the same
+ * reattach_timeout_ns. out may be NULL. */
 BB_API bb_status bb_task_wait_start(bb_task_h task, int64_t timeout_ns, bb_start_info_t *out);
 /* Imperative: 1 when the task must pause (the bubble ended, it was told to stop, or its memory
  * grant is being revoked), else 0. One load from shared memory (two while the task holds a
