@@ -101,6 +101,10 @@ class _SigintGate:
             self._old = signal.signal(signal.SIGINT, self._handler)
         return self
 
+    @property
+    def active(self) -> bool:
+        return self._old is not None
+
     def _handler(self, signum, frame) -> None:
         self.hit = True
         if self.in_body:
@@ -230,8 +234,10 @@ class Task:
             finally:
                 scope.close()  # a revoked grant is unmapped between steps
 
+        own_idle = getattr(type(side_task), "idle", SideTask.idle) is not SideTask.idle
+
         def idle(_user) -> int:
-            return guard(lambda: _lib.STEP_DONE if side_task.idle() is True else 0)
+            return guard(lambda: _lib.STEP_DONE if own_idle and side_task.idle() is True else 0)
 
         def finish(_user, status) -> None:
             with contextlib.suppress(ValueError):
@@ -246,10 +252,13 @@ class Task:
         cbs.pause = _lib.INIT_FN(lambda _u: guard(call, side_task.pause))
         cbs.resume = _lib.INIT_FN(lambda _u: guard(call, side_task.resume))
         cbs.finish = _lib.FINISH_FN(finish)
-        cbs.idle = _lib.INIT_FN(idle)
         handle = self._handle
         self._unmapping()
         with gate:
+            # An idle call is a trip into Python (and for the GIL) every 100 ms: made only when
+            # something listens, the SIGINT gate or a SideTask's own idle().
+            if gate.active or own_idle:
+                cbs.idle = _lib.INIT_FN(idle)
             status = lib.bb_task_run(handle, ctypes.byref(cbs))
         interrupted()  # a Ctrl-C no callback saw (the run ended first) is not lost either
         if raised:
