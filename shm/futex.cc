@@ -55,6 +55,7 @@ bool spin_until_changed(const std::atomic<uint32_t>* word, uint32_t expected, ui
       return true;
     }
     if (now >= until) return false;
+    cpu_relax();
     now = now_ns();
   }
 }
