@@ -48,3 +48,21 @@ def test_every_function_of_the_header_is_declared():
     assert declared == set(_lib._SIGNATURES), (
         f"missing in _lib._SIGNATURES: {sorted(declared - set(_lib._SIGNATURES))}; "
         f"not in bubble.h: {sorted(set(_lib._SIGNATURES) - declared)}")
+
+
+def test_constants_match_the_header(tmp_path):
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        pytest.skip("no C compiler to read the header's constants")
+    mine = {"BB_STEP_CONTINUE": _lib.STEP_CONTINUE, "BB_STEP_DONE": _lib.STEP_DONE,
+            "BB_TASK_IDLE_NS": _lib.TASK_IDLE_NS, "BB_NAME_MAX": _lib.BB_NAME_MAX,
+            "BB_MAX_SLOTS_LIMIT": _lib.BB_MAX_SLOTS_LIMIT, "BB_MEM_UNKNOWN": _lib.MEM_UNKNOWN}
+    src = tmp_path / "constants.c"
+    src.write_text("#include <stdio.h>\n#include <bubble/bubble.h>\nint main(void) {\n" +
+                   "\n".join(f'printf("{n} %llu\\n", (unsigned long long)({n}));' for n in mine) +
+                   "\nreturn 0;\n}\n")
+    exe = tmp_path / "constants"
+    subprocess.run([cc, f"-I{HEADER_DIR}", str(src), "-o", str(exe)], check=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    header = {k: int(v) for k, v in (line.split() for line in out.splitlines())}
+    assert header == mine
