@@ -178,10 +178,14 @@ std::string Agent::render_metrics() {
   auto head = [&](const char* name, const char* type, const char* help) {
     o += std::string("# HELP ") + name + " " + help + "\n# TYPE " + name + " " + type + "\n";
   };
+  // A metric without labels: its head and its one sample.
+  auto single = [&](const char* name, const char* type, const char* help, uint64_t value) {
+    head(name, type, help);
+    o += std::string(name) + " " + std::to_string(value) + "\n";
+  };
   uint32_t live_hubs = 0;
   for (const auto& [n, h] : hubs_) live_hubs += h->alive;
-  head("bubble_hubs", "gauge", "Hubs (trainer ranks) the agent observes.");
-  o += "bubble_hubs " + std::to_string(live_hubs) + "\n";
+  single("bubble_hubs", "gauge", "Hubs (trainer ranks) the agent observes.", live_hubs);
 
   head("bubble_bubbles_total", "counter", "Bubbles the trainer reported.");
   for (const auto& [n, h] : hubs_) {
@@ -248,16 +252,16 @@ std::string Agent::render_metrics() {
   for (const auto& [s, v] : by_state) {
     o += "bubble_tasks{state=\"" + s + "\"} " + std::to_string(v) + "\n";
   }
-  head("bubble_tasks_submitted_total", "counter", "Tasks submitted since the agent started.");
-  o += "bubble_tasks_submitted_total " + std::to_string(submitted_) + "\n";
-  head("bubble_task_records_pruned_total", "counter",
-       "Ended tasks deleted from the records since the agent started (bubbled --keep-ended).");
-  o += "bubble_task_records_pruned_total " + std::to_string(pruned_) + "\n";
-  head("bubble_task_log_bytes_dropped_total", "counter",
-       "Oldest task output dropped to keep each log within bubbled --log-max-bytes.");
-  o += "bubble_task_log_bytes_dropped_total " + std::to_string(log_bytes_dropped_) + "\n";
-  head("bubble_task_launches_total", "counter", "Task processes launched since the agent started.");
-  o += "bubble_task_launches_total " + std::to_string(launches_) + "\n";
+  single("bubble_tasks_submitted_total", "counter",
+         "Tasks submitted since the agent started.", submitted_);
+  single("bubble_task_records_pruned_total", "counter",
+         "Ended tasks deleted from the records since the agent started (bubbled --keep-ended).",
+         pruned_);
+  single("bubble_task_log_bytes_dropped_total", "counter",
+         "Oldest task output dropped to keep each log within bubbled --log-max-bytes.",
+         log_bytes_dropped_);
+  single("bubble_task_launches_total", "counter",
+         "Task processes launched since the agent started.", launches_);
   head("bubble_tasks_ended_total", "counter", "Tasks that ended since the agent started, by state.");
   for (const char* s : {"finished", "failed", "killed", "cancelled", "lost"}) {
     auto it = ended_by_state_.find(s);
@@ -271,14 +275,13 @@ std::string Agent::render_metrics() {
     o += std::string("bubble_enforcement_actions_total{action=\"") + s + "\"} " +
          std::to_string(it == actions_by_kind_.end() ? 0 : it->second) + "\n";
   }
-  head("bubble_agent_protocol_errors_total", "counter",
-       "Control connections closed for a malformed, truncated or oversized frame.");
-  o += "bubble_agent_protocol_errors_total " + std::to_string(protocol_errors_) + "\n";
-  head("bubble_agent_refused_clients_total", "counter",
-       "Control connections refused for their peer credentials.");
-  o += "bubble_agent_refused_clients_total " + std::to_string(refused_clients_) + "\n";
-  head("bubble_agent_metrics_requests_total", "counter", "Scrapes of this endpoint.");
-  o += "bubble_agent_metrics_requests_total " + std::to_string(metrics_requests_) + "\n";
+  single("bubble_agent_protocol_errors_total", "counter",
+         "Control connections closed for a malformed, truncated or oversized frame.",
+         protocol_errors_);
+  single("bubble_agent_refused_clients_total", "counter",
+         "Control connections refused for their peer credentials.", refused_clients_);
+  single("bubble_agent_metrics_requests_total", "counter",
+         "Scrapes of this endpoint.", metrics_requests_);
   return o;
 }
 
