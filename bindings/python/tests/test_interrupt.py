@@ -63,6 +63,12 @@ def read_until(proc: subprocess.Popen, seen: list[str], word: str, timeout: floa
     return seen
 
 
+def asleep(pid: int) -> bool:
+    """Whether the process's main thread is asleep in the kernel (state S in /proc)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] == "S"
+
+
 @pytest.mark.parametrize("style", ["wait_start", "run"])
 def test_ctrl_c_interrupts_a_task_waiting_for_a_bubble(job, style):
     with bubble.Trainer(job, 0) as trainer:
@@ -73,7 +79,9 @@ def test_ctrl_c_interrupts_a_task_waiting_for_a_bubble(job, style):
             lines: list[str] = []
             read_until(proc, lines, "WAITING", 20)
             assert eventually(lambda: any(t.name == "ctrl-c" for t in trainer.tasks()))
-            time.sleep(0.5)  # well inside the wait, which never ends: no bubble comes
+            # Inside the wait (no bubble comes, so it never ends) once the child sleeps in the
+            # kernel: a task waiting in SLEEP mode spins a few microseconds, then waits on a futex.
+            assert eventually(lambda: asleep(proc.pid), timeout=20.0)
             proc.send_signal(signal.SIGINT)
             read_until(proc, lines, "INTERRUPTED", 10)
             assert proc.wait(timeout=10) != 0
