@@ -62,10 +62,13 @@ TEST_CASE("start_pause_stop_cycle") {
       return s.starts >= 20 && s.steps >= 20;
     }));
     // Steps of 0.2 ms in 2 ms bubbles: the runtime stops starting steps that would not fit and
-    // yields, so nearly all of its time is inside bubbles.
-    auto s = t.stats();
-    CHECK(s.task_ns_in_bubbles > 0);
-    CHECK(s.task_ns_outside < s.task_ns_in_bubbles);
+    // yields, so nearly all of its time is inside bubbles. A task preempted in a step that
+    // straddles a bubble's end counts the preemption outside; on a starved machine that can
+    // outweigh the first bubbles, so the sums get more bubbles to even out (time-bounded).
+    CHECK(t.bubbles_until([&] {
+      auto s = t.stats();
+      return s.task_ns_in_bubbles > 0 && s.task_ns_outside < s.task_ns_in_bubbles;
+    }));
     auto tasks = t.tasks();
     REQUIRE(tasks.size() == 1);
     CHECK(std::string(tasks[0].name) == "worker");
