@@ -13,16 +13,15 @@
 #include "core/task.h"
 #include "core/trainer.h"
 
-struct bb_trainer {
-  std::unique_ptr<bb::core::Trainer> impl;
-};
-struct bb_task {
-  std::unique_ptr<bb::core::Task> impl;
-};
-
 using bb::core::fail;
 
 namespace {
+
+// A handle is the core object's own address (struct bb_trainer and struct bb_task are never
+// defined): a call reaches the object without a pointer in between, one dependent cache miss
+// less on a bubble begin that comes with cold caches.
+bb::core::Trainer* impl(bb_trainer_h h) { return reinterpret_cast<bb::core::Trainer*>(h); }
+bb::core::Task* impl(bb_task_h h) { return reinterpret_cast<bb::core::Task*>(h); }
 
 // Copies a caller's size-prefixed struct over our defaults: the smaller of the two sizes wins,
 // so an older caller gets defaults for fields it does not know and a newer caller's extra
@@ -106,33 +105,33 @@ bb_status bb_trainer_open(const char* job_id, uint32_t rank, const bb_trainer_op
                               sizeof(bb_trainer_options_t), "bb_trainer_options_t", &o);
   if (st != BB_OK) return st;
   BB_GUARD({
-    auto h = std::make_unique<bb_trainer>();
-    st = bb::core::Trainer::open(job_id, rank, o, &h->impl);
+    std::unique_ptr<bb::core::Trainer> t;
+    st = bb::core::Trainer::open(job_id, rank, o, &t);
     if (st != BB_OK) return st;
-    *out = h.release();
+    *out = reinterpret_cast<bb_trainer_h>(t.release());
   });
   return BB_OK;
 }
 
 bb_status bb_trainer_close(bb_trainer_h trainer) {
-  delete trainer;
+  delete impl(trainer);
   return BB_OK;
 }
 
 bb_status bb_bubble_begin(bb_trainer_h trainer, uint64_t expected_ns, uint64_t free_mem,
                           bb_bubble_kind kind) {
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
-  return trainer->impl->begin(expected_ns, free_mem, kind);
+  return impl(trainer)->begin(expected_ns, free_mem, kind);
 }
 
 bb_status bb_bubble_end(bb_trainer_h trainer) {
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
-  return trainer->impl->end();
+  return impl(trainer)->end();
 }
 
 bb_status bb_trainer_iteration(bb_trainer_h trainer) {
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
-  trainer->impl->iteration();
+  impl(trainer)->iteration();
   return BB_OK;
 }
 
@@ -148,14 +147,14 @@ bb_status bb_trainer_set_schedule(bb_trainer_h trainer, const bb_schedule_t* sch
   bb_status st = read_options(schedule, bb_schedule_t BB_SCHEDULE_INIT,
                               offsetof(bb_schedule_t, bubbles), "bb_schedule_t", &sc);
   if (st != BB_OK) return st;
-  BB_GUARD(return trainer->impl->set_schedule(sc));
+  BB_GUARD(return impl(trainer)->set_schedule(sc));
 }
 
 bb_status bb_trainer_stats(bb_trainer_h trainer, bb_trainer_stats_t* out) {
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
   bb_trainer_stats_t s{};
   s.size = sizeof s;
-  trainer->impl->stats(&s);
+  impl(trainer)->stats(&s);
   return write_out(s, out, "stats");
 }
 
@@ -184,7 +183,7 @@ bb_status bb_trainer_tasks(bb_trainer_h trainer, bb_task_info_t* out, size_t cap
   BB_GUARD({
     std::vector<bb_task_info_t> all(cap);
     for (auto& t : all) t.size = sizeof t;
-    const bb_status st = trainer->impl->tasks(all.data(), cap, count);
+    const bb_status st = impl(trainer)->tasks(all.data(), cap, count);
     if (st != BB_OK) return st;
     for (size_t i = 0; i < cap && i < *count; ++i) {
       std::memcpy(base + i * stride, &all[i], std::min<size_t>(stride, sizeof all[i]));
@@ -196,7 +195,7 @@ bb_status bb_trainer_tasks(bb_trainer_h trainer, bb_task_info_t* out, size_t cap
 
 bb_status bb_trainer_stop_task(bb_trainer_h trainer, uint64_t task_id) {
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
-  return trainer->impl->stop_task(task_id);
+  return impl(trainer)->stop_task(task_id);
 }
 
 void bb_task_options_init(bb_task_options_t* opts) {
@@ -216,16 +215,16 @@ bb_status bb_task_attach(const char* job_id, uint32_t rank, const char* name,
                               sizeof(bb_task_options_t), "bb_task_options_t", &o);
   if (st != BB_OK) return st;
   BB_GUARD({
-    auto h = std::make_unique<bb_task>();
-    st = bb::core::Task::attach(job_id, rank, name, o, &h->impl);
+    std::unique_ptr<bb::core::Task> t;
+    st = bb::core::Task::attach(job_id, rank, name, o, &t);
     if (st != BB_OK) return st;
-    *out = h.release();
+    *out = reinterpret_cast<bb_task_h>(t.release());
   });
   return BB_OK;
 }
 
 bb_status bb_task_detach(bb_task_h task) {
-  delete task;
+  delete impl(task);
   return BB_OK;
 }
 
@@ -235,26 +234,26 @@ bb_status bb_task_wait_start(bb_task_h task, int64_t timeout_ns, bb_start_info_t
     return fail(BB_E_INVALID, "out->size is %u: set it to sizeof(bb_start_info_t)", out->size);
   bb_start_info_t info{};
   info.size = sizeof info;
-  const bb_status st = task->impl->wait_start(timeout_ns, &info);
+  const bb_status st = impl(task)->wait_start(timeout_ns, &info);
   if (st == BB_OK && out) write_out(info, out, "out");
   return st;
 }
 
-int bb_task_should_pause(bb_task_h task) { return task ? task->impl->should_pause() : 1; }
+int bb_task_should_pause(bb_task_h task) { return task ? impl(task)->should_pause() : 1; }
 
 bb_status bb_task_ack_pause(bb_task_h task) {
   if (!task) return fail(BB_E_INVALID, "task is NULL");
-  return task->impl->ack_pause();
+  return impl(task)->ack_pause();
 }
 
 bb_status bb_task_report_step(bb_task_h task, uint64_t step_ns) {
   if (!task) return fail(BB_E_INVALID, "task is NULL");
-  return task->impl->report_step(step_ns);
+  return impl(task)->report_step(step_ns);
 }
 
 bb_status bb_task_time_left(bb_task_h task, uint64_t* left_ns, uint64_t* est_step_ns) {
   if (!task) return fail(BB_E_INVALID, "task is NULL");
-  task->impl->time_left(left_ns, est_step_ns);
+  impl(task)->time_left(left_ns, est_step_ns);
   return BB_OK;
 }
 
@@ -266,7 +265,7 @@ bb_status bb_task_run(bb_task_h task, const bb_task_callbacks_t* callbacks) {
   bb_status st = read_options(callbacks, bb_task_callbacks_t BB_TASK_CALLBACKS_INIT,
                               offsetof(bb_task_callbacks_t, idle), "bb_task_callbacks_t", &cbs);
   if (st != BB_OK) return st;
-  BB_GUARD(return task->impl->run(cbs));
+  BB_GUARD(return impl(task)->run(cbs));
 }
 
 // ---- Memory grants ----
@@ -306,18 +305,18 @@ bb_status bb_trainer_lend(bb_trainer_h trainer, const bb_lend_options_t* opts) {
   lo.device_ptr = o.device_ptr;
   lo.alignment = o.alignment;
   lo.clear = o.clear_grants != 0;
-  BB_GUARD(return trainer->impl->lend(lo, o.auto_grant != 0));
+  BB_GUARD(return impl(trainer)->lend(lo, o.auto_grant != 0));
 }
 
 bb_status bb_trainer_grant(bb_trainer_h trainer, uint64_t task_id, uint64_t bytes,
                            uint64_t* grant_id) {
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
-  BB_GUARD(return trainer->impl->grant(task_id, bytes, grant_id));
+  BB_GUARD(return impl(trainer)->grant(task_id, bytes, grant_id));
 }
 
 bb_status bb_trainer_revoke(bb_trainer_h trainer, uint64_t task_id, uint64_t deadline_ns) {
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
-  BB_GUARD(return trainer->impl->revoke(task_id, deadline_ns));
+  BB_GUARD(return impl(trainer)->revoke(task_id, deadline_ns));
 }
 
 bb_status bb_trainer_task_grant(bb_trainer_h trainer, uint64_t task_id, bb_grant_info_t* out) {
@@ -326,7 +325,7 @@ bb_status bb_trainer_task_grant(bb_trainer_h trainer, uint64_t task_id, bb_grant
   bb_grant_info_t info{};
   info.size = sizeof info;
   bb_status st;
-  BB_GUARD(st = trainer->impl->task_grant(task_id, &info));
+  BB_GUARD(st = impl(trainer)->task_grant(task_id, &info));
   if (st != BB_OK) return st;
   return write_out(info, out, "out");
 }
@@ -335,7 +334,7 @@ bb_status bb_trainer_grant_stats(bb_trainer_h trainer, bb_grant_stats_t* out) {
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
   bb_grant_stats_t s{};
   s.size = sizeof s;
-  trainer->impl->grant_stats(&s);
+  impl(trainer)->grant_stats(&s);
   return write_out(s, out, "out");
 }
 
@@ -347,14 +346,14 @@ bb_status bb_task_grant(bb_task_h task, bb_task_grant_t* out) {
   bb_task_grant_t g{};
   g.size = sizeof g;
   bb_status st;
-  BB_GUARD(st = task->impl->grant(&g));
+  BB_GUARD(st = impl(task)->grant(&g));
   if (st != BB_OK) return st;
   return write_out(g, out, "out");
 }
 
 bb_status bb_task_ack_revoke(bb_task_h task) {
   if (!task) return fail(BB_E_INVALID, "task is NULL");
-  BB_GUARD(return task->impl->ack_revoke());
+  BB_GUARD(return impl(task)->ack_revoke());
 }
 
 }  // extern "C"
