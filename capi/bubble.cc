@@ -308,6 +308,11 @@ bb_status bb_trainer_lend(bb_trainer_h trainer, const bb_lend_options_t* opts) {
   BB_GUARD(return impl(trainer)->lend(lo, o.auto_grant != 0));
 }
 
+bb_status bb_trainer_unlend(bb_trainer_h trainer, uint64_t deadline_ns) {
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
+  BB_GUARD(return impl(trainer)->unlend(deadline_ns));
+}
+
 bb_status bb_trainer_grant(bb_trainer_h trainer, uint64_t task_id, uint64_t bytes,
                            uint64_t* grant_id) {
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");

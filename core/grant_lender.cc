@@ -24,6 +24,7 @@ bb_status GrantLender::create(const LendOptions& opts, std::unique_ptr<GrantLend
   }
   std::unique_ptr<GrantLender> l(new GrantLender);
   l->backend_ = opts.backend;
+  l->next_id_ = opts.first_id ? opts.first_id : 1;  // 0 means "no grant" everywhere
   bb_status st;
   const CudaDriver* drv = opts.driver;
   if (opts.backend == GrantBackend::kCudaIpc || opts.backend == GrantBackend::kCudaVmm) {
@@ -200,6 +201,11 @@ uint64_t GrantLender::address(uint64_t grant_id) const {
   std::lock_guard<std::mutex> lock(mu_);
   const Record* r = find_locked(grant_id);
   return r ? exporter_->address(r->grant.offset) : 0;
+}
+
+uint64_t GrantLender::next_id() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return next_id_;
 }
 
 LenderStats GrantLender::stats() const {

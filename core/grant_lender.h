@@ -38,6 +38,9 @@ struct LendOptions {
   // CUDA backends: zero each grant on the device before a task gets it. Off only when every
   // task belongs to one owner. Host grants are always fresh memfds, zero-filled by the kernel.
   bool clear = true;
+  // The first grant's id. A hub that lends again continues after its last lender's ids: a task's
+  // page may still name one of those, and an old id taken for a new grant would read as an ack.
+  uint64_t first_id = 1;
 };
 
 enum class GrantState : uint8_t {
@@ -99,6 +102,7 @@ class GrantLender {
   GrantBackend backend() const { return backend_; }
   uint64_t capacity() const { return pool_->capacity(); }
   uint64_t alignment() const { return pool_->alignment(); }
+  uint64_t next_id() const;  // the id the next grant gets
 
  private:
   struct Record {

@@ -71,7 +71,7 @@ struct Trainer::Slot {
 // A grant call from another thread, carried out by the service thread (which owns the slots'
 // connections and grant words), so no lock is ever shared with it beyond the queue.
 struct Trainer::Request {
-  enum Op { kGrant, kRevoke, kInfo, kWake, kTakeBack } op = kGrant;
+  enum Op { kGrant, kRevoke, kInfo, kWake, kTakeBack, kUnlend } op = kGrant;
   uint64_t task_id = 0;
   uint64_t bytes = 0;
   uint64_t deadline_ns = 0;
@@ -1149,12 +1149,15 @@ void Trainer::drain_reports() {
 bb_status Trainer::lend(const LendOptions& opts, bool auto_grant) {
   std::lock_guard<std::mutex> lock(lend_mu_);
   if (lender_owned_)
-    return fail(BB_E_BUSY, "this hub already lends %llu bytes of %s memory: lend once per hub",
+    return fail(BB_E_BUSY, "this hub already lends %llu bytes of %s memory: take it back with "
+                "bb_trainer_unlend before lending again",
                 (unsigned long long)lender_owned_->capacity(),
                 grant_backend_name(lender_owned_->backend()));
   std::unique_ptr<GrantLender> l;
   std::string err;
-  const bb_status st = GrantLender::create(opts, &l, &err);
+  LendOptions o = opts;
+  o.first_id = next_grant_id_;
+  const bb_status st = GrantLender::create(o, &l, &err);
   if (st != BB_OK) return fail_msg(st, err);
   lender_owned_ = std::move(l);
   auto_grant_.store(auto_grant, std::memory_order_relaxed);
@@ -1163,6 +1166,31 @@ bb_status Trainer::lend(const LendOptions& opts, bool auto_grant) {
   Request r;
   r.op = Request::kWake;
   submit(&r);
+  clear_error();
+  return BB_OK;
+}
+
+bb_status Trainer::unlend(uint64_t deadline_ns) {
+  std::lock_guard<std::mutex> lock(lend_mu_);
+  if (!lender_owned_) return fail(BB_E_STATE, "no memory is lent: there is nothing to take back");
+  // The grants come back as in bb_trainer_close: every holder is asked by the deadline and
+  // killed at it, and no grant is made meanwhile. Whether all came back, the service thread
+  // decides below, where no grant can be made between its look and its letting go.
+  const bb_status back = take_back_grants_and_wait(
+      lender_owned_.get(), deadline_ns ? deadline_ns : now_ns() + kDefaultRevokeNs);
+  if (back != BB_OK && back != BB_E_TIMEOUT) return back;
+  // The service thread lets go of the lender (or, if a grant is still out, resumes granting and
+  // says so); from then on it never touches it again.
+  Request u;
+  u.op = Request::kUnlend;
+  if (const bb_status st = submit(&u); st != BB_OK) return st;
+  std::unique_ptr<GrantLender> gone = std::move(lender_owned_);
+  next_grant_id_ = gone->next_id();
+  {
+    // A grant_stats() that read lender_ before the service cleared it is done with it after this.
+    std::lock_guard<std::mutex> readers(lender_read_mu_);
+  }
+  gone.reset();  // the lent memory goes back (cuda-ipc over the caller's range: it is theirs again)
   clear_error();
   return BB_OK;
 }
@@ -1194,6 +1222,7 @@ bb_status Trainer::task_grant(uint64_t task_id, bb_grant_info_t* out) {
 }
 
 void Trainer::grant_stats(bb_grant_stats_t* out) {
+  std::unique_lock<std::mutex> readers(lender_read_mu_);  // unlend() frees the lender
   if (const GrantLender* l = lender_.load(std::memory_order_acquire)) {
     const LenderStats ls = l->stats();
     out->backend = uint32_t(l->backend());
@@ -1266,6 +1295,25 @@ void Trainer::do_request(Request& r) {
     take_back_grants(r.deadline_ns);
     return;
   }
+  if (r.op == Request::kUnlend) {
+    taking_back_ = false;
+    if (!l) return;
+    const LenderStats st = l->stats();
+    if (st.active + st.revoking != 0) {
+      // A holder the kill did not reach (another uid) still maps lent memory: freeing it now
+      // would hand that process whatever comes next. Revoked tasks stay held, as after any
+      // revoke; the rest may be granted again.
+      retry_grants_ = true;
+      return error(BB_E_TIMEOUT, std::to_string(st.active + st.revoking) + " grant(s) were not "
+                   "given back by their deadline, nor their holders reported dead (a process "
+                   "the kill cannot reach?): the memory stays lent; call bb_trainer_unlend "
+                   "again, or see bb_trainer_grant_stats");
+    }
+    lender_.store(nullptr, std::memory_order_release);
+    // A later lend starts afresh: every attached task with a mem_need may be granted again.
+    for (uint32_t i = 0; i < opts_.max_slots; ++i) slots_[i].grant_hold = false;
+    return;
+  }
   const uint32_t i = uint32_t(r.task_id & 0xffffffffu);
   if (i >= opts_.max_slots || slots_[i].state.load(std::memory_order_relaxed) !=
                                   uint32_t(SlotState::kActive) ||
@@ -1277,6 +1325,9 @@ void Trainer::do_request(Request& r) {
   switch (r.op) {
     case Request::kGrant: {
       if (!l) return error(BB_E_STATE, "no memory is lent: call bb_trainer_lend first");
+      if (taking_back_)
+        return error(BB_E_STATE, "the lent memory is being taken back (bb_trainer_unlend or "
+                     "bb_trainer_close): no grant is made meanwhile");
       if (s.grant)
         return error(BB_E_BUSY, "task " + std::to_string(r.task_id) + " already holds grant " +
                      std::to_string(s.grant) + ": revoke it first (a task holds one grant)");
@@ -1301,6 +1352,7 @@ void Trainer::do_request(Request& r) {
     }
     case Request::kWake:
     case Request::kTakeBack:
+    case Request::kUnlend:
       return;
     case Request::kInfo: {
       bb_grant_info_t& o = *r.info;
@@ -1481,16 +1533,21 @@ void Trainer::wait_grants_back() {
   // revoke with a deadline covers the ones that do not (killed at it, like any revoke). Only
   // then may the lent memory go: a task still mapping it could otherwise reach whatever the
   // trainer (or, with cuda-ipc over the caller's allocation, the caller) puts there next.
+  (void)take_back_grants_and_wait(l, now_ns() + kDefaultRevokeNs);
+}
+
+bb_status Trainer::take_back_grants_and_wait(const GrantLender* l, uint64_t deadline_ns) {
   Request r;
   r.op = Request::kTakeBack;
-  r.deadline_ns = now_ns() + kDefaultRevokeNs;
-  if (submit(&r) != BB_OK) return;
+  r.deadline_ns = deadline_ns;
+  if (const bb_status st = submit(&r); st != BB_OK) return st;
   // Past the deadline a killed task needs a moment to be reported dead. A process the kill
   // cannot reach (another uid) is not waited for beyond this; docs/GRANTS.md says so.
-  const uint64_t give_up = r.deadline_ns + kCloseDeathWaitNs;
+  const uint64_t give_up = deadline_ns + kCloseDeathWaitNs;
   for (;;) {
     const LenderStats now = l->stats();
-    if (now.active + now.revoking == 0 || now_ns() >= give_up) return;
+    if (now.active + now.revoking == 0) return BB_OK;
+    if (now_ns() >= give_up) return BB_E_TIMEOUT;
     sleep_ns(kCloseWaitPollNs);
   }
 }

@@ -51,6 +51,9 @@ class Trainer {
   // Memory grants; any thread. lend() creates the lender on the caller's thread; the others
   // hand their work to the service thread and wait for it (never for a task).
   bb_status lend(const LendOptions& opts, bool auto_grant);
+  // Takes every grant back (revoked by deadline_ns, 0 = in 1 s; holders killed at it) and gives
+  // the lent memory back; waits for that, as bb_trainer_close does. Then lend() may lend again.
+  bb_status unlend(uint64_t deadline_ns);
   bb_status grant(uint64_t task_id, uint64_t bytes, uint64_t* grant_id);
   bb_status revoke(uint64_t task_id, uint64_t deadline_ns);
   bb_status task_grant(uint64_t task_id, bb_grant_info_t* out);
@@ -113,6 +116,9 @@ class Trainer {
   void ring_doorbell(uint32_t slot);
   uint64_t next_grant_deadline() const;
   void wait_grants_back();                     // bb_trainer_close, before the service stops
+  // Has the service thread take every grant back by deadline_ns, then waits until none is out
+  // (BB_OK) or a killed holder would have been reported dead by now (BB_E_TIMEOUT).
+  bb_status take_back_grants_and_wait(const GrantLender* l, uint64_t deadline_ns);
   void take_back_grants(uint64_t deadline_ns);  // service thread
 
   std::string job_;
@@ -165,9 +171,12 @@ class Trainer {
   std::mutex stats_mu_;
   LatencyHistogram start_latency_, pause_latency_;
 
-  // Grants. The lender is created once by lend() and lives until shutdown, after the service
-  // thread has stopped; lender_ publishes it (the bubble thread only tests it for null).
-  std::mutex lend_mu_;
+  // Grants. lend() creates the lender and lender_ publishes it (the bubble thread only tests it
+  // for null). It lives until unlend(), after the service thread cleared lender_ and readers of
+  // the old value left lender_read_mu_, or until shutdown, after the service thread stopped.
+  std::mutex lend_mu_;       // lend() and unlend()
+  std::mutex lender_read_mu_;  // grant_stats() on any thread, against unlend()'s free
+  uint64_t next_grant_id_ = 1;  // lend_mu_: grant ids never repeat within the hub's life
   std::unique_ptr<GrantLender> lender_owned_;
   std::atomic<GrantLender*> lender_{nullptr};
   std::atomic<bool> auto_grant_{false};
@@ -188,7 +197,7 @@ class Trainer {
   };
   std::vector<Doomed> doomed_;
   bool retry_grants_ = true;
-  bool taking_back_ = false;  // bb_trainer_close is taking every grant back
+  bool taking_back_ = false;  // bb_trainer_close or unlend() is taking every grant back
   std::atomic<uint64_t> revokes_{0}, revokes_acked_{0}, kills_{0}, released_dead_{0};
 };
 

@@ -107,8 +107,9 @@ func (g *TaskGrant) Memory() []byte {
 	return unsafe.Slice((*byte)(g.Ptr), int(g.Bytes))
 }
 
-// Lend lends memory to the hub's tasks; once per hub (ErrBusy after that). ErrUnsupported for
-// a CUDA backend without a usable CUDA driver.
+// Lend lends memory to the hub's tasks; one lent range at a time (ErrBusy while one is lent:
+// Unlend first to lend differently). ErrUnsupported for a CUDA backend without a usable CUDA
+// driver.
 func (t *Trainer) Lend(opts LendOptions) error {
 	h, done, err := t.acquire()
 	if err != nil {
@@ -138,6 +139,22 @@ func (t *Trainer) Lend(opts LendOptions) error {
 	return err
 }
 
+// Unlend takes every grant back and gives the lent memory back, so that Lend may lend again. A
+// holder that has not given its grant back within grace (0: 1 s) is killed. It blocks until
+// then, at most grace + 2 s; call it from another goroutine than the one reporting bubbles.
+// ErrState when nothing is lent, ErrTimeout when a holder the kill cannot reach keeps the memory
+// lent.
+func (t *Trainer) Unlend(grace time.Duration) error {
+	h, done, err := t.acquire()
+	if err != nil {
+		return err
+	}
+	defer done()
+	err = call(func() C.bb_status { return C.bb_trainer_unlend(h, graceDeadline(grace)) })
+	runtime.KeepAlive(t)
+	return err
+}
+
 // Grant grants bytes (0: the task's MemNeed) of the lent memory to a task holding none and
 // returns the grant's id. ErrNoMemory when no free extent is large enough, ErrBusy when the
 // task already holds a grant.
@@ -161,11 +178,7 @@ func (t *Trainer) Revoke(taskID uint64, grace time.Duration) error {
 		return err
 	}
 	defer done()
-	var deadline C.uint64_t
-	if grace > 0 {
-		deadline = C.uint64_t(NowNs()) + durationNs(grace)
-	}
-	err = call(func() C.bb_status { return C.bb_trainer_revoke(h, C.uint64_t(taskID), deadline) })
+	err = call(func() C.bb_status { return C.bb_trainer_revoke(h, C.uint64_t(taskID), graceDeadline(grace)) })
 	runtime.KeepAlive(t)
 	return err
 }
@@ -270,4 +283,12 @@ func grantOf(h C.bb_task_h, id C.uint64_t, ptr unsafe.Pointer, bytes C.uint64_t,
 		g.Backend = (*known).Backend
 	}
 	return g
+}
+
+// graceDeadline is the deadline grace from now, or 0 (the library's default) for no grace.
+func graceDeadline(grace time.Duration) C.uint64_t {
+	if grace <= 0 {
+		return 0
+	}
+	return C.uint64_t(NowNs()) + durationNs(grace)
 }

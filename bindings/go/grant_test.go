@@ -279,3 +279,23 @@ func TestDeviceGrantHasNoHostMemory(t *testing.T) {
 		t.Fatal("a device pointer became host memory")
 	}
 }
+
+func TestUnlendGivesTheMemoryBackAndLendMayLendAgain(t *testing.T) {
+	tr, _ := openTrainer(t)
+	if err := tr.Unlend(0); !errors.Is(err, ErrState) {
+		t.Fatalf("unlend with nothing lent: want ErrState, got %v", err)
+	}
+	lendHost(t, tr)
+	if err := tr.Unlend(time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if s := grantStats(t, tr); s.Backend != 0 || s.Capacity != 0 {
+		t.Fatalf("after Unlend the hub still lends: %+v", s)
+	}
+	if err := tr.Lend(LendOptions{Bytes: 2 << 20}); err != nil {
+		t.Fatalf("lending again after Unlend: %v", err)
+	}
+	if s := grantStats(t, tr); s.Backend != GrantHost || s.Capacity != 2<<20 {
+		t.Fatalf("lent again: %+v", s)
+	}
+}

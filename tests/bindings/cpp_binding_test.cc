@@ -391,6 +391,22 @@ TEST_CASE("host grant: the task writes it, the trainer reads it back, revoke is 
   CHECK(t.grants().tasks_killed == 0);
 }
 
+TEST_CASE("unlend gives the lent memory back, and lend may then lend again") {
+  bubble::trainer t(unique_job(), 0);
+  try {
+    t.unlend();
+    FAIL("unlent with nothing lent");
+  } catch (const bubble::error& e) {
+    CHECK(e.code() == bubble::status::E_STATE);
+  }
+  t.lend({bubble::grant_backend::host, 1 << 20});
+  t.unlend(std::chrono::seconds(1));
+  CHECK(t.grants().backend == 0);
+  CHECK(t.grants().capacity == 0);
+  t.lend({bubble::grant_backend::host, 2 << 20});
+  CHECK(t.grants().capacity == (2u << 20));
+}
+
 TEST_CASE("a device grant is not handed out as a host pointer") {
   bubble::grant_info g{1, 1, bubble::grant_state::active, bubble::grant_backend::cuda_vmm,
                        true, 4096, 0, 0x7000'0000'0000ull, 0};

@@ -349,6 +349,104 @@ TEST_CASE("close_kills_a_task_that_keeps_its_grant_before_the_memory_goes") {
   CHECK(killed_by_sigkill(task.wait_exit(0)));
 }
 
+// bb_trainer_unlend: every grant comes back, the memory goes, and a new lend (here another size)
+// grants the same tasks again.
+TEST_CASE("unlend_takes_every_grant_back_and_a_new_lend_grants_again") {
+  RuntimeDir dir;
+  const auto shm_before = bbtest::dev_shm();
+  const int fds_before = count_fds();
+  {
+    Trainer t("gu");
+    t.lend(BB_GRANT_HOST, 1 * kMiB);
+    Child a(task_args("gu", "a", "iterative", {"--mem", std::to_string(64 * kKiB),
+                                              "--grant-seed", "11", "--step-us", "100"}));
+    Child b(task_args("gu", "b", "iterative", {"--mem", std::to_string(128 * kKiB),
+                                              "--grant-seed", "12", "--step-us", "100"}));
+    REQUIRE(a.wait_line("ATTACHED") != "");
+    REQUIRE(b.wait_line("ATTACHED") != "");
+    const uint64_t ga = t.until_granted(a), gb = t.until_granted(b);
+    REQUIRE(ga != 0);
+    REQUIRE(gb != 0);
+    REQUIRE(maps_host_grant(a.pid()));
+    REQUIRE(maps_host_grant(b.pid()));
+
+    // Both give their grants back when asked; nobody is killed, and the memory is gone.
+    const bb_status st = bb_trainer_unlend(t.h, bb_now_ns() + 30'000'000'000ull);
+    INFO(bb_last_error());
+    REQUIRE(st == BB_OK);
+    CHECK_FALSE(maps_host_grant(a.pid()));
+    CHECK_FALSE(maps_host_grant(b.pid()));
+    bb_grant_stats_t s = t.grants();
+    CHECK(s.backend == 0);
+    CHECK(s.capacity == 0);
+    CHECK(s.revokes == 2);
+    CHECK(s.revokes_acked == 2);
+    CHECK(s.tasks_killed == 0);
+    CHECK(bb_trainer_grant(t.h, t.task_id("a"), 0, nullptr) == BB_E_STATE);
+    CHECK(bb_trainer_unlend(t.h, 0) == BB_E_STATE);  // nothing lent any more
+
+    // As before the first lend, the tasks are started without grants.
+    const uint64_t starts = t.stats().starts;
+    CHECK(t.bubbles_until([&] { return t.stats().starts >= starts + 4; }));
+
+    // Lent again, four times the size: each task is granted again, unasked, a new grant that it
+    // fills, and the trainer reads it there.
+    t.lend(BB_GRANT_HOST, 4 * kMiB);
+    const uint64_t ga2 = t.until_granted(a), gb2 = t.until_granted(b);
+    CHECK(ga2 > std::max(ga, gb));
+    CHECK(gb2 > std::max(ga, gb));
+    s = t.grants();
+    CHECK(s.backend == BB_GRANT_HOST);
+    CHECK(s.capacity == 4 * kMiB);
+    CHECK(s.active == 2);
+    CHECK(s.granted_bytes == 192 * kKiB);
+    const bb_grant_info_t g = t.grant_of(t.task_id("b"));
+    CHECK(g.bytes == 128 * kKiB);
+    CHECK(pattern_ok(g.address, g.bytes, 12));
+  }
+  CHECK(fds_back_to(fds_before));
+  CHECK(bbtest::dev_shm() == shm_before);
+  CHECK(dir.files().empty());
+}
+
+// A holder that ignores the request is killed at the deadline; unlend returns once the kernel
+// reports it dead, and meanwhile no grant is made (asked from another thread while unlend waits,
+// which also reads the grant statistics throughout).
+TEST_CASE("unlend_kills_a_holder_that_keeps_its_grant_and_makes_no_grant_meanwhile") {
+  RuntimeDir dir;
+  const auto shm_before = bbtest::dev_shm();
+  {
+    Trainer t("gv");
+    t.lend(BB_GRANT_HOST, 1 * kMiB);
+    Child deaf(task_args("gv", "deaf", "grant-hang", {"--mem", "65536", "--grant-seed", "9"}));
+    Child plain(task_args("gv", "plain", "attach-only"));
+    REQUIRE(deaf.wait_line("ATTACHED") != "");
+    REQUIRE(plain.wait_line("ATTACHED") != "");
+    REQUIRE(t.until_granted(deaf) != 0);
+    const uint64_t plain_id = t.task_id("plain");
+    bb_status unlent = BB_E_SYSTEM;
+    std::thread unlender([&] { unlent = bb_trainer_unlend(t.h, bb_now_ns() + 500'000'000ull); });
+    const bool revoking = eventually([&] { return t.grants().revoking == 1; });
+    const bb_status granted = bb_trainer_grant(t.h, plain_id, 4096, nullptr);
+    const std::string why = bb_last_error();
+    // Statistics read while the lender is being freed: a moment of nothing lent, never garbage.
+    for (int i = 0; i < 1000; ++i) {
+      const bb_grant_stats_t s = t.grants();
+      CHECK((s.capacity == 0 || s.capacity == 1 * kMiB));
+    }
+    unlender.join();
+    CHECK(revoking);
+    CHECK(granted == BB_E_STATE);
+    CHECK(why.find("being taken back") != std::string::npos);
+    CHECK(unlent == BB_OK);
+    CHECK(killed_by_sigkill(deaf.wait_exit(0)));  // already dead when unlend returned
+    const bb_grant_stats_t s = t.grants();
+    CHECK(s.backend == 0);
+    CHECK(s.tasks_killed == 1);
+  }
+  CHECK(bbtest::dev_shm() == shm_before);
+}
+
 TEST_CASE("grants_never_overlap_and_freed_ranges_coalesce_for_a_waiting_task") {
   RuntimeDir dir;
   Trainer t("go", 4);
@@ -435,9 +533,12 @@ TEST_CASE("lend_and_grant_calls_reject_bad_input_with_a_clear_error") {
   CHECK(s.backend == 0);
   CHECK(s.capacity == 0);
   CHECK(bb_trainer_revoke(t.h, 12345, 0) == BB_E_NOT_FOUND);
+  CHECK(bb_trainer_unlend(nullptr, 0) == BB_E_INVALID);
+  CHECK(bb_trainer_unlend(t.h, 0) == BB_E_STATE);
+  CHECK(std::string(bb_last_error()).find("no memory is lent") != std::string::npos);
   REQUIRE(bb_trainer_lend(t.h, &lo) == BB_OK);
   CHECK(bb_trainer_lend(t.h, &lo) == BB_E_BUSY);
-  CHECK(std::string(bb_last_error()).find("lend once per hub") != std::string::npos);
+  CHECK(std::string(bb_last_error()).find("bb_trainer_unlend") != std::string::npos);
   CHECK(bb_trainer_grant(t.h, 77, 4096, nullptr) == BB_E_NOT_FOUND);
   bb_grant_info_t g{sizeof g};
   CHECK(bb_trainer_task_grant(t.h, 77, &g) == BB_E_NOT_FOUND);

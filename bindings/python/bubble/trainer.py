@@ -221,16 +221,27 @@ class Trainer:
              device_ptr: int | None = None, device: int = 0, max_grants: int | None = None,
              alignment: int | None = None, auto_grant: bool = True,
              clear_grants: bool = True) -> None:
-        """Lends `size` bytes to the hub's tasks; once per hub (Busy after that).
+        """Lends `size` bytes to the hub's tasks; one lent range at a time (Busy while one is
+        lent: unlend() first to lend differently).
 
         auto_grant: grant each task that states a mem_need that much when it attaches.
         clear_grants: zero each CUDA grant on the device before a task gets it; turn it off
         only when every task belongs to one owner (a task then sees the previous holder's data).
         device_ptr (cuda-ipc): lend this range of your own allocation, kept alive until the hub
-        closes. Raises Unsupported for a CUDA backend without a usable CUDA driver."""
+        closes or unlend() returns. Raises Unsupported for a CUDA backend without a usable CUDA
+        driver."""
         opts = lend_options(size, backend, device_ptr, device, max_grants, alignment, auto_grant,
                             clear_grants)
         self._call(lib.bb_trainer_lend, ctypes.byref(opts))
+
+    def unlend(self, timeout: float | None = None) -> None:
+        """Takes every grant back and gives the lent memory back, so that lend() may lend again
+        (another size or backend). A holder that has not given its grant back within `timeout`
+        seconds (None: 1 s) is killed. Blocks until then, at most `timeout` + 2 s; not from the
+        thread that reports bubbles. Raises InvalidState when nothing is lent, and Timeout when a
+        holder the kill cannot reach keeps the memory lent."""
+        deadline = 0 if timeout is None else lib.bb_now_ns() + _ns(timeout)
+        self._call(lib.bb_trainer_unlend, deadline)
 
     def grant(self, task: int | TaskInfo, size: int | None = None) -> int:
         """Grants `size` bytes (None: the task's mem_need) to a task holding no grant; returns

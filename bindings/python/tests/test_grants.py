@@ -136,17 +136,23 @@ class Writer(bubble.SideTask):
         return False
 
 
+def run_writer(job: str, trainer: bubble.Trainer, side: Writer):
+    """Runs `side` as an iterative task with a mem_need on a thread, until it wrote its grant;
+    returns the thread and the task's info."""
+    def go():
+        with bubble.Task(job, 0, "iterative-grant", mem_need=GRANT) as task:
+            return task.run(side)
+    runner = Background(go)
+    task = only_task(trainer)
+    assert bubble_until(trainer, lambda: side.written != 0)
+    return runner, task
+
+
 def test_side_task_writes_its_grant_in_steps_and_the_runtime_acks_the_revoke(job):
     side = Writer()
     with bubble.Trainer(job, 0) as trainer:
         trainer.lend(LENT)
-
-        def go():
-            with bubble.Task(job, 0, "iterative-grant", mem_need=GRANT) as task:
-                return task.run(side)
-        runner = Background(go)
-        task = only_task(trainer)
-        assert bubble_until(trainer, lambda: side.written != 0)
+        runner, task = run_writer(job, trainer, side)
         g = trainer.task_grant(task)
         assert g.id == side.written
         assert g.memory().tobytes() == pattern(5, GRANT)
@@ -162,6 +168,30 @@ def test_side_task_writes_its_grant_in_steps_and_the_runtime_acks_the_revoke(job
         # A task that needs memory is started only while it holds a grant.
         assert side.without_grant == 0
         assert eventually(lambda: trainer.grant_stats().active == 0)
+
+
+def test_unlend_takes_the_grant_back_and_lend_may_lend_again(job):
+    side = Writer()
+    with bubble.Trainer(job, 0) as trainer:
+        with pytest.raises(bubble.InvalidState):
+            trainer.unlend()
+        trainer.lend(LENT)
+        runner, task = run_writer(job, trainer, side)
+        first = side.written
+        # The runtime gives the grant back between bubbles; unlend returns once it has.
+        trainer.unlend(timeout=30)
+        s = trainer.grant_stats()
+        assert s.backend is None and s.capacity == 0
+        assert s.revokes_acked == 1 and s.tasks_killed == 0
+        with pytest.raises(bubble.InvalidState):
+            trainer.unlend()
+        # Lent again, twice the size: the task is granted again, a new grant.
+        trainer.lend(2 * LENT)
+        assert bubble_until(trainer, lambda: side.written not in (0, first))
+        assert trainer.grant_stats().capacity == 2 * LENT
+        assert trainer.task_grant(task).id == side.written
+        trainer.stop_task(task)
+        assert runner.join_result() is bubble.Outcome.STOPPED
 
 
 def test_a_device_grant_has_no_host_view():

@@ -389,7 +389,8 @@ BB_API bb_status bb_task_run(bb_task_h task, const bb_task_callbacks_t *callback
 /* ---------------------------------------------------------------------------------------------
  * Memory grants (docs/GRANTS.md).
  *
- * The trainer lends one range of memory per hub; libbubble carves a grant out of it for each task
+ * The trainer lends one range of memory per hub at a time; libbubble carves a grant out of it for
+ * each task
  * and the task maps it. Backends: host (shared host memory, for CPU tasks and machines without a
  * GPU), cuda-ipc (a window of a cuMemAlloc/cudaMalloc allocation, named by its IPC handle) and
  * cuda-vmm (cuMemCreate memory per grant, passed as a file descriptor). The CUDA driver is loaded
@@ -435,9 +436,22 @@ typedef struct bb_lend_options_t {
   {sizeof(bb_lend_options_t), BB_GRANT_HOST, 0u, 0u, 0, 64u, 0u, 1u, 0u, 1u, 0u}
 BB_API void bb_lend_options_init(bb_lend_options_t *opts);
 
-/* Lends memory to the hub's tasks. Once per hub (BB_E_BUSY after that); the lent memory is given
- * back when the hub closes. BB_E_UNSUPPORTED for a CUDA backend without a usable CUDA driver. */
+/* Lends memory to the hub's tasks. One lent range at a time (BB_E_BUSY while one is lent); the
+ * lent memory is given back by bb_trainer_unlend or when the hub closes. BB_E_UNSUPPORTED for a
+ * CUDA backend without a usable CUDA driver. */
 BB_API bb_status bb_trainer_lend(bb_trainer_h trainer, const bb_lend_options_t *opts);
+/* Takes every grant back and gives the lent memory back, after which bb_trainer_lend may lend
+ * again (another size, backend or range: this is how lent memory is resized). Every holder is
+ * asked to give its grant back by deadline_ns (CLOCK_MONOTONIC; 0 = now + 1 s) and killed at it,
+ * as with bb_trainer_revoke; no grant is made meanwhile. Blocks until then, at most until the
+ * deadline plus 2 s for a killed holder to be reported dead; call it from any thread but the one
+ * that reports bubbles, which may go on meanwhile (a task that needs memory is not started while
+ * its grant is out). When it returns BB_OK no task maps the memory (with cuda-ipc over your own
+ * allocation, it is yours again), and the hub is as before its first lend: tasks are started
+ * without grants. BB_E_STATE when nothing is lent; BB_E_TIMEOUT when a holder neither gave its
+ * grant back nor was reported dead (one the kill cannot reach): the memory stays lent and grants
+ * resume, except to the tasks that were asked theirs back. */
+BB_API bb_status bb_trainer_unlend(bb_trainer_h trainer, uint64_t deadline_ns);
 /* Grants bytes (0 = its mem_need) of the lent memory to one task (by bb_task_info_t.id), which
  * must hold no grant; also lifts the hold a revoke put on it. *grant_id (may be NULL) receives
  * the grant's id. BB_E_NOMEM when no free extent is large enough. */

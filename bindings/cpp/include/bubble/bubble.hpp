@@ -338,8 +338,8 @@ class trainer {
 
   void stop_task(uint64_t task_id) { detail::check(bb_trainer_stop_task(h_.get(), task_id)); }
 
-  // Lends memory to the hub's tasks; once per hub (E_BUSY after that). E_UNSUPPORTED for a
-  // CUDA backend without a usable CUDA driver.
+  // Lends memory to the hub's tasks; one lent range at a time (E_BUSY while one is lent).
+  // E_UNSUPPORTED for a CUDA backend without a usable CUDA driver.
   void lend(const lend_options& o) {
     bb_lend_options_t lo;
     bb_lend_options_init(&lo);
@@ -352,6 +352,14 @@ class trainer {
     lo.auto_grant = o.auto_grant ? 1u : 0u;
     lo.clear_grants = o.clear_grants ? 1u : 0u;
     detail::check(bb_trainer_lend(h_.get(), &lo));
+  }
+  // Takes every grant back (holders that have not given theirs back within grace, default 1 s,
+  // are killed) and gives the lent memory back, so that lend() may lend again. Blocks until
+  // then (at most grace + 2 s); not from the thread that reports bubbles. E_STATE when nothing
+  // is lent, E_TIMEOUT when a holder the kill cannot reach keeps the memory lent.
+  void unlend(std::optional<std::chrono::nanoseconds> grace = std::nullopt) {
+    const uint64_t deadline = grace ? bb_now_ns() + detail::to_ns(*grace) : 0;
+    detail::check(bb_trainer_unlend(h_.get(), deadline));
   }
   // Grants bytes (0: its mem_need) to a task that holds none; returns the grant's id.
   // E_NOMEM when no free extent is large enough, E_BUSY when the task holds a grant.

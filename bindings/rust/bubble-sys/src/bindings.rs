@@ -2106,6 +2106,9 @@ extern "C" {
     pub fn bb_trainer_lend(trainer: bb_trainer_h, opts: *const bb_lend_options_t) -> bb_status;
 }
 extern "C" {
+    pub fn bb_trainer_unlend(trainer: bb_trainer_h, deadline_ns: u64) -> bb_status;
+}
+extern "C" {
     pub fn bb_trainer_grant(
         trainer: bb_trainer_h,
         task_id: u64,

@@ -1,5 +1,5 @@
-//! Memory grants (docs/GRANTS.md): the trainer lends one range of memory per hub and each task
-//! is granted a piece of it, which the task maps and uses during bubbles.
+//! Memory grants (docs/GRANTS.md): the trainer lends one range of memory per hub at a time and
+//! each task is granted a piece of it, which the task maps and uses during bubbles.
 
 use std::cell::{RefCell, RefMut};
 use std::fmt;

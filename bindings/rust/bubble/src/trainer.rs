@@ -270,12 +270,24 @@ impl Trainer {
         check(unsafe { sys::bb_trainer_stop_task(self.raw.as_ptr(), task_id) })
     }
 
-    /// Lends memory to the hub's tasks; once per hub (`Status::Busy` after that).
+    /// Lends memory to the hub's tasks; one lent range at a time (`Status::Busy` while one is
+    /// lent: `unlend` first to lend differently).
     /// `Status::Unsupported` for a CUDA backend without a usable CUDA driver.
     pub fn lend(&self, options: &LendOptions) -> Result<()> {
         let o = options.to_sys();
         // SAFETY: live handle, valid options.
         check(unsafe { sys::bb_trainer_lend(self.raw.as_ptr(), &o) })
+    }
+
+    /// Takes every grant back and gives the lent memory back, so that `lend` may lend again. A
+    /// holder that has not given its grant back within `grace` (None: 1 s) is killed. Blocks
+    /// until then, at most `grace` + 2 s; not from the thread that reports bubbles.
+    /// `Status::State` when nothing is lent, `Status::Timeout` when a holder the kill cannot
+    /// reach keeps the memory lent.
+    pub fn unlend(&self, grace: Option<Duration>) -> Result<()> {
+        let deadline = grace.map_or(0, |g| crate::now_ns().saturating_add(duration_ns(g)));
+        // SAFETY: live handle.
+        check(unsafe { sys::bb_trainer_unlend(self.raw.as_ptr(), deadline) })
     }
 
     /// Grants `bytes` (None: the task's `mem_need`) of the lent memory to a task that holds no

@@ -548,3 +548,17 @@ fn set_schedule_accepts_a_1f1b_pipeline_and_names_what_it_rejects() {
     let err = trainer.set_schedule(&measured).unwrap_err();
     assert!(err.message.contains("bwd_ns"), "{err}");
 }
+
+#[test]
+fn unlend_gives_the_memory_back_and_lend_may_lend_again() {
+    let env = Env::new();
+    let trainer = env.trainer();
+    assert_eq!(trainer.unlend(None).unwrap_err().status, Status::State);
+    lend_host(&trainer);
+    trainer.unlend(Some(Duration::from_secs(1))).unwrap();
+    let s = trainer.grant_stats().unwrap();
+    assert_eq!((s.backend, s.capacity), (None, 0));
+    trainer.lend(&LendOptions { bytes: 2 << 20, ..Default::default() }).unwrap();
+    let s = trainer.grant_stats().unwrap();
+    assert_eq!((s.backend, s.capacity), (Some(GrantBackend::Host), 2 << 20));
+}
