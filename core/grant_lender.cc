@@ -134,6 +134,14 @@ bb_status GrantLender::revoke(uint64_t grant_id, uint64_t deadline_ns, std::stri
   return BB_OK;
 }
 
+bool GrantLender::hasten(uint64_t grant_id, uint64_t deadline_ns) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Record* r = find_locked(grant_id);
+  if (!r || r->state != GrantState::kRevoking) return false;
+  r->deadline_ns = std::min(r->deadline_ns, deadline_ns);
+  return true;
+}
+
 bb_status GrantLender::release_locked(size_t i, std::string* error) {
   Record& r = records_[i];
   bb_status st = exporter_->destroy(r.grant.offset, r.rounded, &r.grant.handle, error);

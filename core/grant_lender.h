@@ -83,6 +83,9 @@ class GrantLender {
   // Starts revoking: the grant must be ACTIVE; deadline_ns (CLOCK_MONOTONIC) is when overdue()
   // starts to list it.
   bb_status revoke(uint64_t grant_id, uint64_t deadline_ns, std::string* error);
+  // Brings a REVOKING grant's deadline forward to deadline_ns; a later one leaves it as it is.
+  // False when the grant is not being revoked.
+  bool hasten(uint64_t grant_id, uint64_t deadline_ns);
   // The holder no longer maps the grant (it acked, exited, or was killed): the memory goes back
   // and the range may be granted again. Accepts ACTIVE and REVOKING grants.
   bb_status release(uint64_t grant_id, std::string* error);

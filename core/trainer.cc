@@ -1301,8 +1301,10 @@ void Trainer::do_request(Request& r) {
     const LenderStats st = l->stats();
     if (st.active + st.revoking != 0) {
       // A holder the kill did not reach (another uid) still maps lent memory: freeing it now
-      // would hand that process whatever comes next. Revoked tasks stay held, as after any
-      // revoke; the rest may be granted again.
+      // would hand that process whatever comes next. The tasks that gave theirs back may be
+      // granted again; the holders still out stay revoking.
+      for (uint32_t i = 0; i < opts_.max_slots; ++i)
+        if (!slots_[i].grant) slots_[i].grant_hold = false;
       retry_grants_ = true;
       return error(BB_E_TIMEOUT, std::to_string(st.active + st.revoking) + " grant(s) were not "
                    "given back by their deadline, nor their holders reported dead (a process "
@@ -1542,8 +1544,11 @@ bb_status Trainer::take_back_grants_and_wait(const GrantLender* l, uint64_t dead
   r.deadline_ns = deadline_ns;
   if (const bb_status st = submit(&r); st != BB_OK) return st;
   // Past the deadline a killed task needs a moment to be reported dead. A process the kill
-  // cannot reach (another uid) is not waited for beyond this; docs/GRANTS.md says so.
-  const uint64_t give_up = deadline_ns + kCloseDeathWaitNs;
+  // cannot reach (another uid) is not waited for beyond this; docs/GRANTS.md says so. (A
+  // deadline already past still gets that moment; one at the end of time waits for good.)
+  const uint64_t from = std::max(deadline_ns, now_ns());
+  const uint64_t give_up = from > UINT64_MAX - kCloseDeathWaitNs ? UINT64_MAX
+                                                                  : from + kCloseDeathWaitNs;
   for (;;) {
     const LenderStats now = l->stats();
     if (now.active + now.revoking == 0) return BB_OK;
@@ -1558,7 +1563,15 @@ void Trainer::take_back_grants(uint64_t deadline_ns) {
     Slot& s = slots_[i];
     if (!s.grant || s.pending_free) continue;
     if (s.revoking) {
-      s.revoke_deadline_ns = std::min(s.revoke_deadline_ns, deadline_ns);
+      // An earlier revoke's later deadline comes forward: the lender's copy is the one that
+      // kills, the slot's the one the task is shown.
+      if (deadline_ns < s.revoke_deadline_ns) {
+        s.revoke_deadline_ns = deadline_ns;
+        if (GrantLender* l = lender_.load(std::memory_order_acquire)) l->hasten(s.grant, deadline_ns);
+        SlotCtl* c = hub_.slot(i);
+        c->revoke_deadline_ns.store(deadline_ns, std::memory_order_relaxed);
+        ring_doorbell(i);
+      }
       continue;
     }
     std::string ignored;

@@ -141,7 +141,7 @@ func (t *Trainer) Lend(opts LendOptions) error {
 
 // Unlend takes every grant back and gives the lent memory back, so that Lend may lend again. A
 // holder that has not given its grant back within grace (0: 1 s) is killed. It blocks until
-// then, at most grace + 2 s; call it from another goroutine than the one reporting bubbles.
+// then, at most grace + 2 s, so call it where the trainer can wait or from another goroutine.
 // ErrState when nothing is lent, ErrTimeout when a holder the kill cannot reach keeps the memory
 // lent.
 func (t *Trainer) Unlend(grace time.Duration) error {

@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstring>
 #include <fstream>
@@ -425,15 +426,23 @@ TEST_CASE("unlend_kills_a_holder_that_keeps_its_grant_and_makes_no_grant_meanwhi
     REQUIRE(t.until_granted(deaf) != 0);
     const uint64_t plain_id = t.task_id("plain");
     bb_status unlent = BB_E_SYSTEM;
-    std::thread unlender([&] { unlent = bb_trainer_unlend(t.h, bb_now_ns() + 500'000'000ull); });
+    std::atomic<bool> unlender_done{false};
+    // A deadline of 3 s leaves the refused grant below time to land inside it on a slow machine.
+    std::thread unlender([&] {
+      unlent = bb_trainer_unlend(t.h, bb_now_ns() + 3'000'000'000ull);
+      unlender_done = true;
+    });
     const bool revoking = eventually([&] { return t.grants().revoking == 1; });
     const bb_status granted = bb_trainer_grant(t.h, plain_id, 4096, nullptr);
     const std::string why = bb_last_error();
-    // Statistics read while the lender is being freed: a moment of nothing lent, never garbage.
-    for (int i = 0; i < 1000; ++i) {
+    // Statistics read all through the call, the lender's free included: the lent range or
+    // nothing, never garbage.
+    bool whole = true;
+    while (!unlender_done) {
       const bb_grant_stats_t s = t.grants();
-      CHECK((s.capacity == 0 || s.capacity == 1 * kMiB));
+      whole &= s.capacity == 0 || s.capacity == 1 * kMiB;
     }
+    CHECK(whole);
     unlender.join();
     CHECK(revoking);
     CHECK(granted == BB_E_STATE);
@@ -445,6 +454,27 @@ TEST_CASE("unlend_kills_a_holder_that_keeps_its_grant_and_makes_no_grant_meanwhi
     CHECK(s.tasks_killed == 1);
   }
   CHECK(bbtest::dev_shm() == shm_before);
+}
+
+// A grant already being revoked with a far deadline is taken back by unlend's: its holder is
+// killed then, not a minute later, and unlend returns BB_OK.
+TEST_CASE("unlend_brings_an_earlier_revokes_deadline_forward") {
+  RuntimeDir dir;
+  Trainer t("gw");
+  t.lend(BB_GRANT_HOST, 1 * kMiB);
+  Child deaf(task_args("gw", "deaf", "grant-hang", {"--mem", "65536", "--grant-seed", "2"}));
+  REQUIRE(deaf.wait_line("ATTACHED") != "");
+  REQUIRE(t.until_granted(deaf) != 0);
+  const uint64_t id = t.task_id("deaf");
+  const uint64_t far = bb_now_ns() + 60'000'000'000ull;
+  REQUIRE(bb_trainer_revoke(t.h, id, far) == BB_OK);
+  const uint64_t soon = bb_now_ns() + 300'000'000ull;
+  const bb_status st = bb_trainer_unlend(t.h, soon);
+  INFO(bb_last_error());
+  CHECK(st == BB_OK);
+  CHECK(killed_by_sigkill(deaf.wait_exit(0)));  // dead when unlend returned, long before `far`
+  CHECK(t.grants().tasks_killed == 1);
+  CHECK(t.grants().backend == 0);
 }
 
 TEST_CASE("grants_never_overlap_and_freed_ranges_coalesce_for_a_waiting_task") {

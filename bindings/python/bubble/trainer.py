@@ -237,8 +237,8 @@ class Trainer:
     def unlend(self, timeout: float | None = None) -> None:
         """Takes every grant back and gives the lent memory back, so that lend() may lend again
         (another size or backend). A holder that has not given its grant back within `timeout`
-        seconds (None: 1 s) is killed. Blocks until then, at most `timeout` + 2 s; not from the
-        thread that reports bubbles. Raises InvalidState when nothing is lent, and Timeout when a
+        seconds (None: 1 s) is killed. Blocks until then, at most `timeout` + 2 s, so call it
+        where the trainer can wait. Raises InvalidState when nothing is lent, and Timeout when a
         holder the kill cannot reach keeps the memory lent."""
         deadline = 0 if timeout is None else lib.bb_now_ns() + _ns(timeout)
         self._call(lib.bb_trainer_unlend, deadline)

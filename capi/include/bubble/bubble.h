@@ -417,7 +417,8 @@ typedef struct bb_lend_options_t {
   uint32_t backend;     /* bb_grant_backend; default BB_GRANT_HOST */
   uint64_t bytes;       /* size of the lent range; required (rounded down to the backend's unit) */
   uint64_t device_ptr;  /* cuda-ipc: lend [device_ptr, +bytes) of an existing cuMemAlloc or
-                           cudaMalloc allocation the trainer keeps alive until the hub closes;
+                           cudaMalloc allocation the trainer keeps alive until the hub closes
+                           or bb_trainer_unlend returns BB_OK;
                            0 (default) = libbubble allocates the range */
   int32_t device;       /* CUDA device ordinal; default 0 */
   uint32_t max_grants;  /* live grants at most; default 64 */
@@ -442,15 +443,18 @@ BB_API void bb_lend_options_init(bb_lend_options_t *opts);
 BB_API bb_status bb_trainer_lend(bb_trainer_h trainer, const bb_lend_options_t *opts);
 /* Takes every grant back and gives the lent memory back, after which bb_trainer_lend may lend
  * again (another size, backend or range: this is how lent memory is resized). Every holder is
- * asked to give its grant back by deadline_ns (CLOCK_MONOTONIC; 0 = now + 1 s) and killed at it,
- * as with bb_trainer_revoke; no grant is made meanwhile. Blocks until then, at most until the
- * deadline plus 2 s for a killed holder to be reported dead; call it from any thread but the one
- * that reports bubbles, which may go on meanwhile (a task that needs memory is not started while
- * its grant is out). When it returns BB_OK no task maps the memory (with cuda-ipc over your own
- * allocation, it is yours again), and the hub is as before its first lend: tasks are started
- * without grants. BB_E_STATE when nothing is lent; BB_E_TIMEOUT when a holder neither gave its
- * grant back nor was reported dead (one the kill cannot reach): the memory stays lent and grants
- * resume, except to the tasks that were asked theirs back. */
+ * asked to give its grant back by deadline_ns (CLOCK_MONOTONIC; 0 = now + 1 s; an earlier
+ * revoke's later deadline comes forward to it) and killed at it, as with bb_trainer_revoke; no
+ * grant is made meanwhile, and a task that needs memory is not started while its grant is out.
+ * Blocks until every grant is back, at most until the deadline plus 2 s for a killed holder to
+ * be reported dead: call it where the trainer can wait (between iterations), or from another
+ * thread while bubbles go on; a running holder gives its grant back inside its bubble. When it
+ * returns BB_OK, every holder acked or is dead and the lent memory is freed (with cuda-ipc over
+ * your own allocation the range is yours again; a cuda-ipc holder that kept its mapping against
+ * the protocol can still reach it, see docs/GRANTS.md), and the hub is as before its first lend:
+ * tasks are started without grants. BB_E_STATE when nothing is lent; BB_E_TIMEOUT when a holder
+ * neither gave its grant back nor was reported dead (one the kill cannot reach): the memory
+ * stays lent, and grants resume for every task but the holders still out. */
 BB_API bb_status bb_trainer_unlend(bb_trainer_h trainer, uint64_t deadline_ns);
 /* Grants bytes (0 = its mem_need) of the lent memory to one task (by bb_task_info_t.id), which
  * must hold no grant; also lifts the hold a revoke put on it. *grant_id (may be NULL) receives

@@ -355,7 +355,7 @@ class trainer {
   }
   // Takes every grant back (holders that have not given theirs back within grace, default 1 s,
   // are killed) and gives the lent memory back, so that lend() may lend again. Blocks until
-  // then (at most grace + 2 s); not from the thread that reports bubbles. E_STATE when nothing
+  // then (at most grace + 2 s), so call it where the trainer can wait. E_STATE when nothing
   // is lent, E_TIMEOUT when a holder the kill cannot reach keeps the memory lent.
   void unlend(std::optional<std::chrono::nanoseconds> grace = std::nullopt) {
     const uint64_t deadline = grace ? bb_now_ns() + detail::to_ns(*grace) : 0;

@@ -281,7 +281,7 @@ impl Trainer {
 
     /// Takes every grant back and gives the lent memory back, so that `lend` may lend again. A
     /// holder that has not given its grant back within `grace` (None: 1 s) is killed. Blocks
-    /// until then, at most `grace` + 2 s; not from the thread that reports bubbles.
+    /// until then, at most `grace` + 2 s, so call it where the trainer can wait.
     /// `Status::State` when nothing is lent, `Status::Timeout` when a holder the kill cannot
     /// reach keeps the memory lent.
     pub fn unlend(&self, grace: Option<Duration>) -> Result<()> {
