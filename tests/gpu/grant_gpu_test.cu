@@ -173,6 +173,10 @@ bool run_backend(core::GrantBackend backend, bool clear = true) {
   o.backend = backend;
   o.bytes = 256ull << 20;
   o.clear = clear;
+  // Device memory before lending, to check that it all comes back when the lender goes (as at
+  // bb_trainer_unlend and bb_trainer_close).
+  size_t free_before = 0, total = 0;
+  EXPECT(cudaMemGetInfo(&free_before, &total) == cudaSuccess, "cudaMemGetInfo failed");
   std::unique_ptr<core::GrantLender> lender;
   bb_status st = core::GrantLender::create(o, &lender, &err);
   EXPECT(st == BB_OK, "lend: %s", err.c_str());
@@ -215,6 +219,13 @@ bool run_backend(core::GrantBackend backend, bool clear = true) {
   }
   core::LenderStats s = lender->stats();
   EXPECT(s.granted_bytes == 0 && s.active == 0 && s.revoking == 0, "grants left behind");
+  lender.reset();
+  size_t free_after = 0;
+  EXPECT(cudaMemGetInfo(&free_after, &total) == cudaSuccess, "cudaMemGetInfo failed");
+  // The driver may keep a little for itself; a lent range it kept would be 256 MiB.
+  constexpr size_t kSlack = 16u << 20;
+  EXPECT(free_after + kSlack >= free_before, "device memory did not come back when the lender "
+         "went: %zu MiB free before lending, %zu MiB after", free_before >> 20, free_after >> 20);
   std::printf("ok   %s%s: 3 grants %s, written by a kernel in another process, read back, "
               "revoked\n", core::grant_backend_name(backend), clear ? "" : " (clear off)",
               clear ? "found zeroed" : "found holding the previous holder's words");

@@ -3,7 +3,8 @@
 #   tests/gpu/run_gpu_tests.sh            (BUILD_DIR=... to choose the build directory)
 # Builds the GPU test programs (and libbubble under them) and runs: the grant test for cuda-vmm and
 # cuda-ipc (lend, grant, a kernel in a second process writes a pattern, the trainer checks it,
-# revoke); GPU-timed bubbles on a real stream; the NCCL pipeline example (2+ GPUs).
+# revoke, and the device memory comes back when the lender goes); GPU-timed bubbles on a real
+# stream; the NCCL pipeline example (2+ GPUs).
 # Exit 0 only if all passed.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
