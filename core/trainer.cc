@@ -617,6 +617,8 @@ bb_status Trainer::tasks(bb_task_info_t* out, size_t cap, size_t* count) {
       t.step_ns = c->step_ns.load(std::memory_order_relaxed);
       t.running = c->run_epoch.load(std::memory_order_relaxed) != 0;
       t.bad = c->bad.load(std::memory_order_relaxed);
+      t.ns_in_bubbles = c->ns_in_bubbles.load(std::memory_order_relaxed);
+      t.ns_outside = c->ns_outside.load(std::memory_order_relaxed);
       std::memcpy(t.name, c->name, sizeof t.name);
       t.name[sizeof t.name - 1] = 0;
     }

@@ -235,6 +235,11 @@ func TestSideTaskRunsInBubblesAndStops(t *testing.T) {
 	if c.resumes.Load() != 3 {
 		t.Fatalf("resumes = %d", c.resumes.Load())
 	}
+	// Its steps ran inside bubbles: its own figure says so (from its reports, a moment later).
+	eventually(t, "the task's time inside bubbles", func() bool {
+		tasks, err := tr.Tasks()
+		return err == nil && len(tasks) == 1 && tasks[0].NsInBubbles > 0
+	})
 	tasks, _ := tr.Tasks()
 	if err := tr.StopTask(tasks[0].ID); err != nil {
 		t.Fatal(err)

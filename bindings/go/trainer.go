@@ -90,6 +90,8 @@ type TaskInfo struct {
 	StepNs    uint64
 	Running   bool
 	Bad       bool
+	// Its step time inside bubbles and past bubbles' ends, from its reports.
+	NsInBubbles, NsOutside uint64
 }
 
 // Trainer owns the hub of one trainer rank. Begin and End must come from one goroutine at a
@@ -304,7 +306,8 @@ func (t *Trainer) Tasks() ([]TaskInfo, error) {
 				out[i] = TaskInfo{ID: uint64(r.id), Slot: uint32(r.slot), Name: cArrayString(r.name[:]),
 					PID: int32(r.pid), Priority: int32(r.priority), MemNeed: uint64(r.mem_need),
 					MinStepNs: uint64(r.min_step_ns), Steps: uint64(r.steps), StepNs: uint64(r.step_ns),
-					Running: r.running != 0, Bad: r.bad != 0}
+					Running: r.running != 0, Bad: r.bad != 0,
+					NsInBubbles: uint64(r.ns_in_bubbles), NsOutside: uint64(r.ns_outside)}
 			}
 			C.free(unsafe.Pointer(raw))
 			return out, nil

@@ -168,6 +168,8 @@ TEST_CASE("iterative: a side_task steps in bubbles, pauses after them and stops 
     REQUIRE(eventually([&] { return ct.pauses == i + 1; }));
   }
   CHECK(ct.resumes == 3);
+  // Its steps ran inside bubbles: its own figure says so (from its reports, a moment later).
+  CHECK(eventually([&] { return t.tasks().at(0).ns_in_bubbles > 0; }));
   t.stop_task(t.tasks().at(0).id);
   REQUIRE(run.wait_for(20s) == std::future_status::ready);
   CHECK(run.get() == bubble::outcome::stopped);

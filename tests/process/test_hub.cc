@@ -72,6 +72,8 @@ TEST_CASE("start_pause_stop_cycle") {
     auto tasks = t.tasks();
     REQUIRE(tasks.size() == 1);
     CHECK(std::string(tasks[0].name) == "worker");
+    // The task's own share of the hub's figures: with one task, all of them.
+    CHECK(tasks[0].ns_in_bubbles > 0);
     CHECK(tasks[0].pid == task.pid());
     // Stop: the task finishes, reports BB_E_STOPPED and detaches; its slot is freed.
     REQUIRE(bb_trainer_stop_task(t.h, tasks[0].id) == BB_OK);

@@ -50,7 +50,8 @@ class TaskInfoC(Structure):
     _fields_ = [("size", c_uint32), ("slot", c_uint32), ("id", c_uint64), ("pid", c_int32),
                 ("priority", c_int32), ("mem_need", c_uint64), ("min_step_ns", c_uint64),
                 ("steps", c_uint64), ("step_ns", c_uint64), ("running", c_uint32),
-                ("bad", c_uint32), ("name", c_char * (BB_NAME_MAX + 1))]
+                ("bad", c_uint32), ("name", c_char * (BB_NAME_MAX + 1)),
+                ("ns_in_bubbles", c_uint64), ("ns_outside", c_uint64)]
 
 
 class TaskOptions(Structure):

@@ -68,6 +68,8 @@ class TaskInfo:
     step_ns: int
     running: bool
     bad: bool
+    ns_in_bubbles: int = 0  # its step time inside bubbles, from its reports
+    ns_outside: int = 0     # its step time that spilled past bubbles' ends
 
 
 def _ns(seconds: float | None) -> int:
@@ -278,4 +280,5 @@ def _task_id(task: int | TaskInfo) -> int:
 def _task_info(c: _lib.TaskInfoC) -> TaskInfo:
     return TaskInfo(id=c.id, slot=c.slot, name=c.name.decode(errors="replace"), pid=c.pid,
                     priority=c.priority, mem_need=c.mem_need, min_step_ns=c.min_step_ns,
-                    steps=c.steps, step_ns=c.step_ns, running=bool(c.running), bad=bool(c.bad))
+                    steps=c.steps, step_ns=c.step_ns, running=bool(c.running), bad=bool(c.bad),
+                    ns_in_bubbles=c.ns_in_bubbles, ns_outside=c.ns_outside)

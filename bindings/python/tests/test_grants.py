@@ -178,6 +178,8 @@ def test_unlend_takes_the_grant_back_and_lend_may_lend_again(job):
         trainer.lend(LENT)
         runner, task = run_writer(job, trainer, side)
         first = side.written
+        # Its steps ran inside bubbles: its own figure says so (from its reports, a moment later).
+        assert eventually(lambda: trainer.tasks()[0].ns_in_bubbles > 0)
         # The runtime gives the grant back between bubbles; unlend returns once it has.
         trainer.unlend(timeout=30)
         s = trainer.grant_stats()

@@ -242,6 +242,11 @@ typedef struct bb_task_info_t {
   uint32_t running;       /* 1 while started in the current bubble and not yet paused */
   uint32_t bad;           /* 1 once the task corrupted its slot; it is never started again */
   char name[BB_NAME_MAX + 1];
+  /* The task's own share of bb_trainer_stats_t's task_ns_in_bubbles and task_ns_outside (from its
+   * reports, trailing as those do): a task whose steps keep spilling past bubbles' ends shows
+   * here. (A caller built before these fields passes the shorter size and does not get them.) */
+  uint64_t ns_in_bubbles;
+  uint64_t ns_outside;
 } bb_task_info_t;
 
 /* Copies up to cap attached tasks into out (out may be NULL when cap is 0); *count receives the

@@ -240,6 +240,8 @@ struct task_info {
   uint64_t step_ns;
   bool running;
   bool bad;
+  uint64_t ns_in_bubbles;  // its step time inside bubbles, from its reports
+  uint64_t ns_outside;     // its step time that spilled past bubbles' ends
 };
 
 class trainer {
@@ -331,7 +333,7 @@ class trainer {
       const auto& r = raw[i];
       out.push_back({r.id, r.slot, std::string(r.name, strnlen(r.name, sizeof r.name)), r.pid,
                      r.priority, r.mem_need, r.min_step_ns, r.steps, r.step_ns, r.running != 0,
-                     r.bad != 0});
+                     r.bad != 0, r.ns_in_bubbles, r.ns_outside});
     }
     return out;
   }

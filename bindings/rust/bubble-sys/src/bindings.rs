@@ -821,12 +821,14 @@ pub struct bb_task_info_t {
     pub running: u32,
     pub bad: u32,
     pub name: [::std::os::raw::c_char; 48usize],
+    pub ns_in_bubbles: u64,
+    pub ns_outside: u64,
 }
 #[test]
 fn bindgen_test_layout_bb_task_info_t() {
     assert_eq!(
         ::std::mem::size_of::<bb_task_info_t>(),
-        112usize,
+        128usize,
         concat!("Size of: ", stringify!(bb_task_info_t))
     );
     assert_eq!(
@@ -1038,6 +1040,40 @@ fn bindgen_test_layout_bb_task_info_t() {
         );
     }
     test_field_name();
+    fn test_field_ns_in_bubbles() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_task_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).ns_in_bubbles) as usize - ptr as usize
+            },
+            112usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_task_info_t),
+                "::",
+                stringify!(ns_in_bubbles)
+            )
+        );
+    }
+    test_field_ns_in_bubbles();
+    fn test_field_ns_outside() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_task_info_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).ns_outside) as usize - ptr as usize
+            },
+            120usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_task_info_t),
+                "::",
+                stringify!(ns_outside)
+            )
+        );
+    }
+    test_field_ns_outside();
 }
 extern "C" {
     pub fn bb_trainer_tasks(

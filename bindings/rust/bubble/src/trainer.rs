@@ -141,6 +141,10 @@ pub struct TaskInfo {
     pub step_ns: u64,
     pub running: bool,
     pub bad: bool,
+    /// Its step time inside bubbles, from its reports.
+    pub ns_in_bubbles: u64,
+    /// Its step time that spilled past bubbles' ends.
+    pub ns_outside: u64,
 }
 
 /// The hub of one trainer rank. Dropping it stops every attached task and removes the hub.
@@ -388,5 +392,7 @@ fn task_info(r: &sys::bb_task_info_t) -> TaskInfo {
         step_ns: r.step_ns,
         running: r.running != 0,
         bad: r.bad != 0,
+        ns_in_bubbles: r.ns_in_bubbles,
+        ns_outside: r.ns_outside,
     }
 }

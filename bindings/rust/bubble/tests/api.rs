@@ -187,6 +187,8 @@ fn side_task_steps_in_bubbles_pauses_after_them_and_stops() {
         assert!(eventually(|| counts.lock().unwrap().pauses == i));
     }
     assert_eq!(counts.lock().unwrap().resumes, 3);
+    // Its steps ran inside bubbles: its own figure says so (from its reports, a moment later).
+    assert!(eventually(|| trainer.tasks().unwrap()[0].ns_in_bubbles > 0));
     let id = trainer.tasks().unwrap()[0].id;
     trainer.stop_task(id).unwrap();
     assert_eq!(runner.join().unwrap().unwrap(), Outcome::Stopped);
