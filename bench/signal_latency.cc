@@ -64,7 +64,26 @@ struct Words {
 struct PeerCtl {
   std::atomic<uint32_t> ready, failed;
   alignas(64) std::atomic<uint64_t> done;
-  alignas(64) std::atomic<uint64_t> t0;
+};
+
+// The two clock reads of every sample go into two arrays, each written by one side only and
+// paired once the run is over: a stamp stored where the other side reads it would make the
+// signal wait for that line to come back (a locked bump drains the store first), and count the
+// benchmark's own cross-CPU traffic in the figure. Each side first writes every page of its array,
+// so that no first write inside a measured interval is a page fault.
+struct Stamps {
+  explicit Stamps(size_t n) : sent(n), seen(n) {}
+  SharedSamples sent, seen;  // by the signalling side; by the side that wakes
+  static void prefault(const SharedSamples& a) {
+    for (size_t i = 0; i < a.capacity(); i += 512) a.data()[i] = 0;
+  }
+  // seen - sent of samples [from, to).
+  std::vector<uint64_t> latencies(size_t from, size_t to) const {
+    std::vector<uint64_t> v;
+    for (size_t k = from; k < to && k < sent.capacity(); ++k)
+      v.push_back(seen.data()[k] - sent.data()[k]);
+    return v;
+  }
 };
 
 // period_ns: signal every period_ns, sleeping between signals as the trainer of (c) does,
@@ -73,18 +92,18 @@ bool run_channel(Channel& ch, bool busy, size_t n, std::vector<uint64_t>* out, s
                  uint64_t period_ns = 0) {
   if (!ch.prepare(busy, why)) return false;
   Shared<PeerCtl> c;
-  SharedSamples lat(n + kWarmup);
   const size_t total = n + kWarmup;
+  Stamps stamps(total);
   const uint64_t gap = busy ? kBusyGapNs : kSleepGapNs;
   int waiter_rc, waker_rc;
   {
     Child waiter(kWaiterCpu, [&]() -> int {
       size_t k = 0;
+      Stamps::prefault(stamps.seen);
       const int rc = ch.run_waiter(
           busy, [&] { c->ready.store(1); },
           [&] {
-            const uint64_t t1 = bb_now_ns();
-            lat.data()[k] = t1 - c->t0.load(std::memory_order_relaxed);
+            stamps.seen.data()[k] = bb_now_ns();
             c->done.store(++k, std::memory_order_release);
             return k < total;
           });
@@ -97,6 +116,7 @@ bool run_channel(Channel& ch, bool busy, size_t n, std::vector<uint64_t>* out, s
         std::fprintf(stderr, "%s: %s\n", ch.name(), err.c_str());
         return 1;
       }
+      Stamps::prefault(stamps.sent);
       if (!wait_for([&] { return c->ready.load() != 0; }, 20 * kSecond)) return 2;
       const uint64_t first = bb_now_ns() + 10'000'000;
       for (size_t k = 0; k < total; ++k) {
@@ -104,7 +124,7 @@ bool run_channel(Channel& ch, bool busy, size_t n, std::vector<uint64_t>* out, s
           return 3;
         if (period_ns) sleep_until(first + k * period_ns);
         else spin_until(bb_now_ns() + gap);
-        c->t0.store(bb_now_ns(), std::memory_order_relaxed);
+        stamps.sent.data()[k] = bb_now_ns();
         if (!ch.signal()) return 4;
       }
       const int rc = wait_for([&] { return c->done.load() == total; }, 5 * kSecond) ? 0 : 5;
@@ -120,8 +140,8 @@ bool run_channel(Channel& ch, bool busy, size_t n, std::vector<uint64_t>* out, s
            std::to_string(waiter_rc) + ")";
     return false;
   }
-  const std::vector<uint64_t> v = lat.take(total);
-  out->insert(out->end(), v.begin() + kWarmup, v.end());
+  const std::vector<uint64_t> v = stamps.latencies(kWarmup, total);
+  out->insert(out->end(), v.begin(), v.end());
   return true;
 }
 
@@ -134,8 +154,6 @@ struct BubbleCtl {
   std::atomic<uint32_t> hub_ready, attached, trainer_done;
   alignas(64) std::atomic<uint64_t> started;
   alignas(64) std::atomic<uint64_t> acked;
-  alignas(64) std::atomic<uint64_t> end_ns;  // (b): stamped just before bb_bubble_end
-  alignas(64) std::atomic<uint64_t> begin_ns;  // (a): stamped just before bb_bubble_begin
   // Results.
   std::atomic<uint64_t> wait_cpu_ns, proc_cpu_ns, wall_ns, starts, wakes, unit_ns_x1000;
   std::atomic<uint64_t> rt_pause_p50, rt_pause_p99;
@@ -187,17 +205,18 @@ bool run_bubble_start(bb_wake_mode mode, size_t n, const RuntimeDir& dir,
   Shared<BubbleCtl> c;
   init_ctl(&*c, dir, "start");
   const size_t total = n + kWarmup;
-  SharedSamples lat(total);
+  Stamps stamps(total);  // sent just before bb_bubble_begin, seen when wait_start returned
   const uint64_t gap = mode == BB_WAKE_SPIN ? kBusyGapNs : kSleepGapNs;
   int task_rc, trainer_rc;
   {
     Child task(kWaiterCpu, [&]() -> int {
+      Stamps::prefault(stamps.seen);
       bb_task_h t = attach_task(&*c, mode);
       bb_start_info_t info{sizeof info};
       size_t k = 0;
       while (bb_task_wait_start(t, -1, &info) == BB_OK) {
         const uint64_t t1 = bb_now_ns();
-        if (k < total) lat.data()[k] = t1 - c->begin_ns.load(std::memory_order_relaxed);
+        if (k < total) stamps.seen.data()[k] = t1;
         c->started.store(++k);
         while (!bb_task_should_pause(t)) __builtin_ia32_pause();
         bb_task_ack_pause(t);
@@ -207,6 +226,7 @@ bool run_bubble_start(bb_wake_mode mode, size_t n, const RuntimeDir& dir,
       return 0;
     });
     Child trainer(kWakerCpu, [&]() -> int {
+      Stamps::prefault(stamps.sent);
       bb_trainer_h t = open_trainer(&*c);
       if (!wait_for([&] { return c->attached.load() != 0; }, 10 * kSecond)) return 2;
       for (size_t k = 0; k < total; ++k) {
@@ -214,7 +234,7 @@ bool run_bubble_start(bb_wake_mode mode, size_t n, const RuntimeDir& dir,
         spin_until(bb_now_ns() + gap);
         // Stamped before the call, as every peer stamps before its send: the latency counts
         // all of bb_bubble_begin, not only what follows the begin time it records.
-        c->begin_ns.store(bb_now_ns(), std::memory_order_relaxed);
+        stamps.sent.data()[k] = bb_now_ns();
         bb_bubble_begin(t, 1'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY);
         if (!wait_for([&] { return c->started.load() == k + 1; }, 5 * kSecond)) return 4;
         bb_bubble_end(t);
@@ -231,8 +251,8 @@ bool run_bubble_start(bb_wake_mode mode, size_t n, const RuntimeDir& dir,
            std::to_string(task_rc) + ")";
     return false;
   }
-  const std::vector<uint64_t> v = lat.take(total);
-  out->insert(out->end(), v.begin() + kWarmup, v.end());
+  const std::vector<uint64_t> v = stamps.latencies(kWarmup, total);
+  out->insert(out->end(), v.begin(), v.end());
   return true;
 }
 
@@ -251,7 +271,7 @@ struct PauseResult {
 
 struct IterState {
   BubbleCtl* c;
-  uint64_t* lat;
+  uint64_t* seen;
   size_t k = 0, total = 0;
   uint64_t units = 0, unit_ns = 0;
 };
@@ -261,14 +281,15 @@ bool run_pause(bool iterative, size_t n, const RuntimeDir& dir, PauseResult* r, 
   Shared<BubbleCtl> c;
   init_ctl(&*c, dir, "pause");
   const size_t total = n + kWarmup;
-  SharedSamples lat(total);
+  Stamps stamps(total);  // sent just before bb_bubble_end, seen at the task's ack
   int task_rc, trainer_rc;
   {
     Child task(kWaiterCpu, [&]() -> int {
+      Stamps::prefault(stamps.seen);
       bb_task_h t = attach_task(&*c, BB_WAKE_SLEEP);
       uint64_t units = 0, unit_ns = 0;
       if (iterative) {
-        IterState s{&*c, lat.data(), 0, total};
+        IterState s{&*c, stamps.seen.data(), 0, total};
         bb_task_callbacks_t cb;
         bb_task_callbacks_init(&cb);
         cb.user = &s;
@@ -288,8 +309,7 @@ bool run_pause(bool iterative, size_t n, const RuntimeDir& dir, PauseResult* r, 
         // Called when the runtime stops stepping, right before it acks.
         cb.pause = [](void* u) {
           auto* s = static_cast<IterState*>(u);
-          const uint64_t now = bb_now_ns();
-          if (s->k < s->total) s->lat[s->k] = now - s->c->end_ns.load();
+          if (s->k < s->total) s->seen[s->k] = bb_now_ns();
           s->c->acked.store(++s->k);
           return 0;
         };
@@ -308,8 +328,7 @@ bool run_pause(bool iterative, size_t n, const RuntimeDir& dir, PauseResult* r, 
             if (bb_task_should_pause(t)) break;
           }
           bb_task_ack_pause(t);
-          const uint64_t now = bb_now_ns();
-          if (k < total) lat.data()[k] = now - c->end_ns.load();
+          if (k < total) stamps.seen.data()[k] = bb_now_ns();
           c->acked.store(++k);
         }
       }
@@ -318,6 +337,7 @@ bool run_pause(bool iterative, size_t n, const RuntimeDir& dir, PauseResult* r, 
       return 0;
     });
     Child trainer(kWakerCpu, [&]() -> int {
+      Stamps::prefault(stamps.sent);
       bb_trainer_h t = open_trainer(&*c);
       if (!wait_for([&] { return c->attached.load() != 0; }, 10 * kSecond)) return 2;
       for (size_t k = 0; k < total; ++k) {
@@ -326,7 +346,7 @@ bool run_pause(bool iterative, size_t n, const RuntimeDir& dir, PauseResult* r, 
         bb_bubble_begin(t, 10'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY);
         if (!wait_for([&] { return c->started.load() == k + 1; }, 5 * kSecond)) return 4;
         spin_until(bb_now_ns() + 20'000);
-        c->end_ns.store(bb_now_ns());
+        stamps.sent.data()[k] = bb_now_ns();
         bb_bubble_end(t);
       }
       wait_for([&] { return c->acked.load() == total; }, 5 * kSecond);
@@ -347,8 +367,7 @@ bool run_pause(bool iterative, size_t n, const RuntimeDir& dir, PauseResult* r, 
            std::to_string(task_rc) + ")";
     return false;
   }
-  const std::vector<uint64_t> v = lat.take(total);
-  r->lat = summarize(std::vector<uint64_t>(v.begin() + kWarmup, v.end()));
+  r->lat = summarize(stamps.latencies(kWarmup, total));
   r->unit_ns = double(c->unit_ns_x1000.load()) / 1000;
   r->rt_p50 = double(c->rt_pause_p50.load());
   r->rt_p99 = double(c->rt_pause_p99.load());
@@ -383,15 +402,18 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
   Shared<BubbleCtl> c;
   init_ctl(&*c, dir, "periodic");
   const size_t cap = duration_ns / period_ns + 16;
-  SharedSamples lat(cap);
-  // Bubble k (numbered k + 1) stamped just before its bb_bubble_begin. One word per bubble: this
-  // trainer does not wait for the task, which may read its stamp after the next bubble began.
+  // The task's measured starts: when wait_start returned, and which bubble it was.
+  SharedSamples seen(cap), seen_seq(cap);
+  // Bubble k (numbered k + 1) stamped just before its bb_bubble_begin, in an array only the
+  // trainer writes (see Stamps); paired with the task's stamps by bubble number after the run.
   const uint64_t iters = duration_ns / period_ns + kWarmup;
   SharedSamples begun(iters);
   SharedSamples begin_cost(iters);  // measured bubbles only
   int task_rc, trainer_rc;
   {
     Child task(kWaiterCpu, [&]() -> int {
+      Stamps::prefault(seen);
+      Stamps::prefault(seen_seq);
       bb_task_h t = attach_task(&*c, mode);
       bb_start_info_t info{sizeof info};
       size_t k = 0;
@@ -406,9 +428,10 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
         }
         if (k >= kWarmup) {
           wait_cpu += thread_cpu_ns() - cpu0;
-          if (k - kWarmup < cap && info.bubble_seq >= 1 && info.bubble_seq <= iters)
-            lat.data()[k - kWarmup] =
-                t1 - std::atomic_ref<uint64_t>(begun.data()[info.bubble_seq - 1]).load();
+          if (k - kWarmup < cap) {
+            seen.data()[k - kWarmup] = t1;
+            seen_seq.data()[k - kWarmup] = info.bubble_seq;
+          }
           // The run ends with the last start: the wait after it ends with the trainer leaving.
           wall_end = t1;
           cpu_end = process_cpu_ns();
@@ -428,6 +451,8 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
       return 0;
     });
     Child trainer(kWakerCpu, [&]() -> int {
+      Stamps::prefault(begun);
+      Stamps::prefault(begin_cost);
       bb_trainer_h t = open_trainer(&*c);
       if (!wait_for([&] { return c->attached.load() != 0; }, 10 * kSecond)) return 2;
       const uint64_t t0 = bb_now_ns() + 10'000'000;
@@ -442,7 +467,7 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
         const uint64_t at = t0 + k * period_ns;
         sleep_until(at);
         const uint64_t stamp = bb_now_ns();
-        std::atomic_ref<uint64_t>(begun.data()[k]).store(stamp);  // as in (a)
+        begun.data()[k] = stamp;  // as in (a)
         bb_bubble_begin(t, len_ns, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY);
         // After the call, so not counted in the start: what the trainer's thread gave.
         if (k >= kWarmup) begin_cost.data()[k - kWarmup] = bb_now_ns() - stamp;
@@ -468,8 +493,11 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
   }
   const uint64_t got = c->acked.load();
   const size_t n = got > kWarmup ? std::min<size_t>(got - kWarmup, cap) : 0;
-  const std::vector<uint64_t> l = lat.take(n), b = begin_cost.take(iters - kWarmup);
-  r->lat.insert(r->lat.end(), l.begin(), l.end());
+  for (size_t i = 0; i < n; ++i) {
+    const uint64_t seq = seen_seq.data()[i];
+    if (seq >= 1 && seq <= iters) r->lat.push_back(seen.data()[i] - begun.data()[seq - 1]);
+  }
+  const std::vector<uint64_t> b = begin_cost.take(iters - kWarmup);
   r->begin_cost.insert(r->begin_cost.end(), b.begin(), b.end());
   r->wall_ns += c->wall_ns.load();
   r->wait_cpu_ns += c->wait_cpu_ns.load();

@@ -114,16 +114,23 @@ int run_task(int sock) {
 struct Child {
   pid_t pid = -1;
   int sock = -1;
-  ~Child() {
+  ~Child() { stop(); }
+  // Closes its socket, which ends it, and reaps it (killed if it has not ended within 10 s).
+  void stop() {
     if (sock >= 0) close(sock);
+    sock = -1;
     if (pid > 0) {
-      for (int i = 0; i < 1000; ++i) {
-        if (waitpid(pid, nullptr, WNOHANG) == pid) return;
-        usleep(10000);
+      bool gone = false;
+      for (int i = 0; i < 1000 && !gone; ++i) {
+        gone = waitpid(pid, nullptr, WNOHANG) == pid;
+        if (!gone) usleep(10000);
       }
-      kill(pid, SIGKILL);
-      waitpid(pid, nullptr, 0);
+      if (!gone) {
+        kill(pid, SIGKILL);
+        waitpid(pid, nullptr, 0);
+      }
     }
+    pid = -1;
   }
 };
 
@@ -219,10 +226,13 @@ bool run_backend(core::GrantBackend backend, bool clear = true) {
   }
   core::LenderStats s = lender->stats();
   EXPECT(s.granted_bytes == 0 && s.active == 0 && s.revoking == 0, "grants left behind");
+  // The task's own CUDA context counts in the device's free memory too: it goes first.
+  task.stop();
   lender.reset();
   size_t free_after = 0;
   EXPECT(cudaMemGetInfo(&free_after, &total) == cudaSuccess, "cudaMemGetInfo failed");
-  // The driver may keep a little for itself; a lent range it kept would be 256 MiB.
+  // The driver may keep a little for itself; a lent range it kept would be 256 MiB. (Another
+  // process allocating on the same GPU meanwhile would show here too: run this on an idle GPU.)
   constexpr size_t kSlack = 16u << 20;
   EXPECT(free_after + kSlack >= free_before, "device memory did not come back when the lender "
          "went: %zu MiB free before lending, %zu MiB after", free_before >> 20, free_after >> 20);
