@@ -29,6 +29,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -380,6 +381,7 @@ struct PeriodicResult {
   std::vector<uint64_t> begin_cost;  // the trainer's bb_bubble_begin call, stamp to return
   uint64_t wait_cpu_ns = 0, proc_cpu_ns = 0, wall_ns = 0, starts = 0, wakes = 0;
   std::string why;  // the last failed round's reason
+  int failed_rounds = 0;
 
   double wait_cpu_share() const { return wall_ns ? double(wait_cpu_ns) / double(wall_ns) : 0; }
   double proc_cpu_share() const { return wall_ns ? double(proc_cpu_ns) / double(wall_ns) : 0; }
@@ -753,6 +755,7 @@ int main(int argc, char** argv) {
       {BB_WAKE_PREDICTIVE, Use::kYield, "PREDICTIVE, task yields each bubble at once"},
   };
   constexpr size_t kVariants = sizeof variants / sizeof variants[0];
+  constexpr size_t kTarget = 0;  // the row the target is read on: PREDICTIVE, bubbles run out
   // The floor of this table: a bare spin, its waker keeping the trainer's schedule (asleep
   // until shortly before each signal), its waiter spinning all the time.
   const char* floor_name = "bare shared-memory spin (floor), waker on the same schedule";
@@ -773,12 +776,15 @@ int main(int argc, char** argv) {
       std::string why;
       if (!run_periodic(variants[i].mode, variants[i].use, kSecond, period, len, dir, &results[i],
                         &why))
+      {
         results[i].why = why;
-      if (i == 0 && !f.empty() && results[0].lat.size() > had)
+        ++results[i].failed_rounds;
+      }
+      if (i == kTarget && !f.empty() && results[kTarget].lat.size() > had)
         per_round.emplace_back(
             summarize(f).p50,
-            summarize(std::vector<uint64_t>(results[0].lat.begin() + long(had),
-                                            results[0].lat.end())).p50);
+            summarize(std::vector<uint64_t>(results[kTarget].lat.begin() + long(had),
+                                            results[kTarget].lat.end())).p50);
     }
   }
   double periodic_floor_p50 = 0;
@@ -799,14 +805,18 @@ int main(int argc, char** argv) {
       continue;
     }
     const Summary l = summarize(r.lat), b = summarize(r.begin_cost);
+    std::string name = variants[i].name;
+    if (r.failed_rounds)
+      name += " (" + std::to_string(r.failed_rounds) + " of " + std::to_string(prounds) +
+              " rounds failed: " + r.why + ")";
     std::printf("| %s | %llu | %s | %s | %s | %.1f%% | %.1f%% | %.2f | %s / %s |\n",
-                variants[i].name, (unsigned long long)r.starts, fmt_us(l.p50).c_str(),
+                name.c_str(), (unsigned long long)r.starts, fmt_us(l.p50).c_str(),
                 fmt_us(l.p99).c_str(), fmt_us(l.p999).c_str(), 100 * r.wait_cpu_share(),
                 100 * r.proc_cpu_share(), r.woken_share(), fmt_us(b.p50).c_str(),
                 fmt_us(b.p99).c_str());
   }
   std::fflush(stdout);
-  const PeriodicResult& pred = results[0];
+  const PeriodicResult& pred = results[kTarget];
   const double pred_p50 = pred.lat.empty() ? 0 : summarize(pred.lat).p50;
   if (!per_round.empty()) {
     std::printf("\nper round, p50 of the floor / of PREDICTIVE (us):");
@@ -851,10 +861,10 @@ int main(int argc, char** argv) {
     std::printf("  (a bare spin with a waker on the same schedule: %s us; predictive / that = "
                 "%.2f",
                 fmt_us(periodic_floor_p50).c_str(), pred_p50 / periodic_floor_p50);
-    double lo = 0, hi = 0;
+    double lo = HUGE_VAL, hi = 0;
     for (const auto& [f, p] : per_round) {
       const double q = f > 0 ? p / f : 0;
-      lo = lo == 0 ? q : std::min(lo, q);
+      lo = std::min(lo, q);
       hi = std::max(hi, q);
     }
     if (per_round.size() > 1) std::printf("; per round %.2f to %.2f", lo, hi);
