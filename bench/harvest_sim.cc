@@ -70,10 +70,11 @@ struct StepEstimate {
     mean += (x - mean) / 8;
   }
   double value() const { return any ? mean + 2 * dev : 0; }
-  // As core/task.cc: an estimate longer than every recent bubble is lowered a little by each
-  // bubble without a step, so one slow step cannot lock the task out for good.
+  // As core/task.cc: an estimate longer than the room of every recent bubble (its length less
+  // how late the task got to it) is lowered a little by each bubble without a step, so one slow
+  // step cannot lock the task out for good.
   double longest = 0;
-  void bubble_begins(double len) { longest = std::max(len, longest - longest / 64); }
+  void bubble_begins(double room) { longest = std::max(room, longest - longest / 64); }
   void no_step() {
     if (value() <= longest) return;
     mean -= mean / 16;
@@ -113,7 +114,7 @@ Tally replay(Policy policy, const std::vector<double>& bubbles, double step, con
       double now = 0;
       if (policy == kLibbubble || policy == kElastic) now = cfg.wake_us * 1e3;
       if (policy == kFreeRide) now = phase(phase_rng);
-      est.bubble_begins(d);
+      est.bubble_begins(d - now);
       bool stepped = false;
       while (now < d) {
         const double left = d - now;

@@ -605,10 +605,7 @@ bb_status Task::run(const bb_task_callbacks_t& cbs) {
       failed_cb("resume");
       break;
     }
-    // The longest recent bubble, forgetting slowly (a 1/64 decay per bubble).
-    const uint64_t len = info.deadline_ns > info.begin_ns ? info.deadline_ns - info.begin_ns : 0;
-    longest_bubble_ns_ = std::max(len, longest_bubble_ns_ - longest_bubble_ns_ / 64);
-    bool stepped = false;
+    bool stepped = false, first = true;
     while (!should_pause()) {
       bb_step_info_t si{sizeof si};
       si.kind = info.kind;
@@ -617,14 +614,19 @@ bb_status Task::run(const bb_task_callbacks_t& cbs) {
       si.free_mem = info.free_mem;
       fill_grant(&si.grant_id, &si.grant_ptr, &si.grant_bytes);
       time_left(&si.time_left_ns, &si.est_step_ns);
+      // The most room a recent bubble left this task when it got to it (its length less how
+      // late the task came), forgetting slowly (a 1/64 decay per bubble).
+      if (first && info.deadline_ns != 0)
+        longest_room_ns_ = std::max(si.time_left_ns, longest_room_ns_ - longest_room_ns_ / 64);
+      first = false;
       // Start a step only when it is expected to end before the deadline.
       const uint64_t need = si.est_step_ns ? si.est_step_ns : opts_.min_step_ns;
       if (info.deadline_ns != 0 && need > si.time_left_ns) {
-        // An estimate longer than every recent bubble would lock the task out for good after
-        // one slow outlier step: then each bubble without a step lowers it a little until a
-        // step is tried again. Short bubbles among long ones never lower it (that would start
-        // steps that spill).
-        if (!stepped && need > longest_bubble_ns_) {
+        // An estimate longer than the room of every recent bubble would lock the task out for
+        // good after one slow outlier step: then each bubble without a step lowers it a little
+        // until a step is tried again. Rooms shorter than the longest never lower it (that
+        // would start steps that spill).
+        if (!stepped && need > longest_room_ns_) {
           step_est_.mean -= step_est_.mean / 16;
           step_est_.dev -= step_est_.dev / 4;
         }

@@ -105,7 +105,7 @@ class Task {
   // sleep ends past the time asked for (timer slack, the wake-up of an idle CPU): the task ends
   // its sleeps that much earlier (the mean), so it is spinning when the predicted bubble begins.
   SmoothedEstimate step_est_, sleep_late_;
-  uint64_t longest_bubble_ns_ = 0;  // the longest recent bubble, decaying slowly
+  uint64_t longest_room_ns_ = 0;  // the most room a recent bubble left the task, decaying slowly
   uint64_t reattach_until_ = 0;     // while re-attaching: when to give up (0: not re-attaching)
 
   // The mapped grant (grant_id_ != 0) and the trainer's grant words last applied.

@@ -17,6 +17,9 @@
  *   --idle N (iterative): an idle callback that prints "IDLE <n>" (n counts the calls since the
  *   last bubble, from 1; " in-bubble" follows if it came inside one) and returns BB_STEP_DONE at
  *   the N-th call in a row, or -1 there with --idle-fail,
+ *   --slow-step N:US (iterative): the N-th step takes US microseconds instead of --step-us,
+ *   --resume-us N (iterative): the resume callback takes N microseconds (a task that gets to
+ *   each bubble's work late),
  *   --old-callbacks (iterative): passes bb_task_callbacks_t with the size of a struct from before
  *   idle, and an address in idle that would crash if the library called it,
  *   --wait (re-attach when the trainer goes away), --reattach-ms N,
@@ -103,10 +106,13 @@ static void busy(uint64_t ns) {
   while (bb_now_ns() < until) sink++;
 }
 
+static unsigned long slow_step_at = 0; /* --slow-step N:US: the N-th step takes US instead */
+static uint64_t slow_step_ns = 0, resume_ns = 0;
+
 static int on_step(void *user, const bb_step_info_t *info) {
   (void)user;
   use_grant(info->grant_id, info->grant_ptr, info->grant_bytes);
-  busy(step_ns);
+  busy(steps + 1 == slow_step_at ? slow_step_ns : step_ns);
   ++steps;
   return max_steps && steps >= max_steps ? BB_STEP_DONE : BB_STEP_CONTINUE;
 }
@@ -129,6 +135,7 @@ static int on_pause(void *user) {
 }
 
 static int on_resume(void *user) {
+  busy(resume_ns); /* --resume-us: gets to each bubble's work late */
   in_bubble = 1;
   idles = 0; /* a starved task can see a bubble late and go on waiting: count calls in a row */
   (void)user;
@@ -165,6 +172,15 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--max-steps")) max_steps = strtoull(v, NULL, 10), ++i;
     else if (!strcmp(a, "--idle")) idle_at = strtoul(v, NULL, 10), ++i;
     else if (!strcmp(a, "--idle-fail")) idle_fail = 1;
+    else if (!strcmp(a, "--slow-step")) {
+      unsigned long long us = 0;
+      if (sscanf(v, "%lu:%llu", &slow_step_at, &us) != 2) {
+        fprintf(stderr, "--slow-step %s: use N:US (the N-th step takes US microseconds)\n", v);
+        return 64;
+      }
+      slow_step_ns = us * 1000;
+      ++i;
+    } else if (!strcmp(a, "--resume-us")) resume_ns = strtoull(v, NULL, 10) * 1000, ++i;
     else if (!strcmp(a, "--old-callbacks")) old_callbacks = 1;
     else if (!strcmp(a, "--wait")) opts.on_trainer_exit = BB_ON_TRAINER_EXIT_WAIT;
     else if (!strcmp(a, "--reattach-ms")) opts.reattach_timeout_ns = strtoull(v, NULL, 10) * 1000000, ++i;

@@ -388,6 +388,21 @@ TEST_CASE("full_slot_table_refuses_with_a_clear_error") {
   CHECK(bbtest::dev_shm() == shm_before);
 }
 
+// One slow step (preempted, say) inflates the task's step estimate past every bubble. The
+// runtime then lowers it, bubble by bubble, until a step is tried again, also for a task that
+// gets to its bubbles late (here 1 ms into 2 ms bubbles): the estimate must come under the room
+// the task is left, not only under the bubbles' length.
+TEST_CASE("one_slow_step_does_not_lock_a_late_starting_task_out") {
+  RuntimeDir dir;
+  Trainer t("slow");
+  Child task(task_args("slow", "w", "iterative",
+                       {"--step-us", "100", "--resume-us", "1000", "--slow-step", "3:30000"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(eventually([&] { return t.stats().tasks_attached == 1; }));
+  const auto steps = [&] { return t.tasks().empty() ? 0 : t.tasks()[0].steps; };
+  CHECK(t.bubbles_until([&] { return steps() >= 100; }));
+}
+
 TEST_CASE("hung_task_never_stalls_the_trainer") {
   RuntimeDir dir;
   Trainer t("hung", 0, 8, 1);
