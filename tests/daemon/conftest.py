@@ -63,6 +63,11 @@ class Env:
 
     def start_agent(self, *args, metrics="0", max_fds=None):
         assert self.agent is None or self.agent.poll() is not None
+        # A well-behaved task on a starved machine can take longer than the 5 ms default grace
+        # to ack a pause, and would be stopped and killed for it: tests that are not about
+        # enforcement give it 500 ms. Tests of enforcement pass their own --grace-ms.
+        if "--grace-ms" not in args:
+            args = ("--grace-ms", "500", *args)
         kw = {}
         if max_fds:
             kw["preexec_fn"] = lambda: resource.setrlimit(resource.RLIMIT_NOFILE,

@@ -44,9 +44,10 @@ def test_metrics_endpoint_answers_and_counters_move(env):
     assert value(text, "bubble_tasks_submitted_total") == 1
     assert value(text, "bubble_tasks", '{state="running"}') == 1
     env.ctl("cancel", str(tid))
-    env.wait_state(tid, ("cancelled", "killed"))
+    # Killed when it has not left within the stop timeout (on a starved machine it may not).
+    ended = env.wait_state(tid, ("cancelled", "killed"))["state"]
     text = scrape(port)
-    assert value(text, "bubble_tasks_ended_total", '{state="cancelled"}') == 1
+    assert value(text, "bubble_tasks_ended_total", f'{{state="{ended}"}}') == 1
     assert value(text, "bubble_harvested_seconds_total", '{hub="j:0"}') > 0
     assert value(text, "bubble_agent_metrics_requests_total") >= 4
 

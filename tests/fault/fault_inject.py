@@ -97,6 +97,18 @@ def fd_kinds(pid):
     return len(targets) - socks, socks
 
 
+# What a trainer holds for each attached task besides its connection: the task's pidfd, its
+# page and its grant. With no task attached there is none of them.
+PER_TASK_FDS = ("anon_inode:[pidfd]", "/memfd:bubble-task", "/memfd:bubble-grant")
+
+
+def fixed_files(pid):
+    """The descriptors a trainer holds whatever its tasks: neither sockets nor a task's own. A
+    task (waiting to reattach, or launched by the agent) may attach the moment a hub opens."""
+    return sum(1 for t in fd_targets(pid).values()
+               if not t.startswith("socket:") and not t.startswith(PER_TASK_FDS))
+
+
 def fd_targets(pid):
     out = {}
     for fd in os.listdir(f"/proc/{pid}/fd"):
@@ -245,7 +257,7 @@ class Trainer:
         check(line, f"the trainer did not open its hub and lend: {self.proc.lines}")
         # With no task attached: its fixed descriptors, and its listening socket (an observer
         # may already be connected, so sockets are counted apart).
-        self.fds_idle = (fd_kinds(self.pid)[0], 1)
+        self.fds_idle = (fixed_files(self.pid), 1)
         self.calls_at_round = 0
         self.totals = world.totals
 
