@@ -161,6 +161,7 @@ HubSnapshot HubObserver::snapshot() const {
     std::atomic_thread_fence(std::memory_order_acquire);
     if (b->version.load(std::memory_order_relaxed) == v0) break;
   }
+  s.task_ns_in_bubbles = hub.stats()->ns_in_bubbles.load(std::memory_order_relaxed);
   for (uint32_t i = 0; i < s.max_slots; ++i) {
     const shm::SlotCtl* c = hub.slot(i);
     if (shm::SlotState(c->state.load(std::memory_order_acquire)) != shm::SlotState::kActive)

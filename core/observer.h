@@ -64,6 +64,9 @@ struct HubSnapshot {
   uint64_t free_mem = BB_MEM_UNKNOWN;   // of the current or last bubble
   uint64_t bubbles = 0;
   uint64_t bubble_ns = 0;
+  // Step time of every task the hub has had inside its bubbles, from their reports; it counts
+  // tasks that have left too (TaskSnapshot's figure goes with its slot).
+  uint64_t task_ns_in_bubbles = 0;
   std::vector<TaskSnapshot> tasks;
 };
 

@@ -63,7 +63,8 @@ struct Hub {
   uint64_t rate_bubbles = 0, rate_ns = 0;
   double bubbles_per_sec = 0;
   uint64_t harvested_ns = 0;
-  std::map<uint64_t, uint64_t> task_harvest;  // hub task id -> ns_in_bubbles counted
+  int32_t harvest_pid = 0;     // the trainer whose total harvest_seen is
+  uint64_t harvest_seen = 0;   // of snap.task_ns_in_bubbles, counted into harvested_ns
   std::map<uint64_t, EnforceState> enforce;   // hub task id -> escalation state
   std::map<uint64_t, int64_t> task_rows;      // hub task id -> agent task id
   int open_failures = 0;

@@ -237,14 +237,18 @@ bool Agent::adoptable(pid_t pid) const {
 
 void Agent::reconcile_tasks(Hub* hub) {
   std::set<uint64_t> present;
+  // Harvested time from the hub's own total, which also counts a task that ended between two
+  // snapshots. A new trainer on the same hub name starts its total from zero.
+  const uint64_t total = hub->snap.task_ns_in_bubbles;
+  if (hub->snap.trainer_pid != hub->harvest_pid || total < hub->harvest_seen) {
+    hub->harvest_pid = hub->snap.trainer_pid;
+    hub->harvest_seen = 0;
+  }
+  hub->harvested_ns += total - hub->harvest_seen;
+  hub->harvest_seen = total;
   for (const core::TaskSnapshot& t : hub->snap.tasks) {
     present.insert(t.id);
     hub->slot_names[static_cast<uint16_t>(t.slot)] = t.name;
-    uint64_t& counted = hub->task_harvest[t.id];
-    if (t.ns_in_bubbles > counted) {
-      hub->harvested_ns += t.ns_in_bubbles - counted;
-      counted = t.ns_in_bubbles;
-    }
     int64_t rid = 0;
     auto it = hub->task_rows.find(t.id);
     if (it != hub->task_rows.end()) {
@@ -302,7 +306,6 @@ void Agent::reconcile_tasks(Hub* hub) {
       finish_row(&row, failed ? "failed" : "finished", "detached from hub " + hub->name);
     }
     hub->enforce.erase(it->first);
-    hub->task_harvest.erase(it->first);
     it = hub->task_rows.erase(it);
   }
 }

@@ -31,6 +31,18 @@ def test_submit_runs_task_to_completion_and_lists_it(env):
                lambda: env.hub("j:0")["harvested_ns"] > 0, timeout=10)
 
 
+
+def test_a_task_that_ends_between_two_samples_still_counts_as_harvest(env):
+    """The hub's harvested time comes from the hub's own total, so a task the agent never saw
+    running (it started and ended between two samples) still counts."""
+    env.trainer("j", 0)
+    # Samples 10 s apart: nothing but the requests below looks at the hub.
+    env.start_agent("--check-ms", "10000", "--sample-ms", "10000")
+    tid = env.submit(TASK_GOOD, "30", opts=("--name", "brief"))
+    assert env.ctl("wait", str(tid), "--timeout", "30").returncode == 0  # finished
+    wait_until("the hub to count the task's harvested time",
+               lambda: env.hub("j:0")["harvested_ns"] > 0, timeout=10)
+
 def test_task_environment_names_hub_gpu_and_mps_settings(env):
     env.trainer("j", 3)
     env.start_agent("--hub-gpu", "j:3=1")
