@@ -278,18 +278,29 @@ int cmd_submit(Client& c, std::vector<std::string> args) {
   return 0;
 }
 
+// The share of a task's step time that ran past bubbles' ends, "-" before any.
+std::string spill(uint64_t in_ns, uint64_t out_ns) {
+  if (in_ns + out_ns == 0) return "-";
+  char buf[32];
+  snprintf(buf, sizeof buf, "%.1f%%", 100.0 * static_cast<double>(out_ns) /
+                                          static_cast<double>(in_ns + out_ns));
+  return buf;
+}
+
 std::string task_json(proto::TaskRecord::Reader t) {
-  char buf[256];
+  char buf[640];  // fifteen numbers of up to 20 digits and their keys
   std::string o = "{";
   snprintf(buf, sizeof buf,
            "\"id\":%llu,\"pid\":%d,\"exit_code\":%d,\"signal\":%d,\"violations\":%u,"
            "\"attempts\":%u,\"priority\":%d,\"mem_need\":%llu,\"steps\":%llu,"
-           "\"ns_in_bubbles\":%llu,\"submitted_at\":%lld,\"started_at\":%lld,\"ended_at\":%lld,",
+           "\"ns_in_bubbles\":%llu,\"ns_outside\":%llu,\"submitted_at\":%lld,\"started_at\":%lld,"
+           "\"ended_at\":%lld,",
            static_cast<unsigned long long>(t.getId()), t.getPid(), t.getExitCode(),
            t.getSignal(), t.getViolations(), t.getAttempts(), t.getSpec().getPriority(),
            static_cast<unsigned long long>(t.getSpec().getMemNeed()),
            static_cast<unsigned long long>(t.getSteps()),
            static_cast<unsigned long long>(t.getNsInBubbles()),
+           static_cast<unsigned long long>(t.getNsOutside()),
            static_cast<long long>(t.getSubmittedAt()), static_cast<long long>(t.getStartedAt()),
            static_cast<long long>(t.getEndedAt()));
   o += buf;
@@ -331,8 +342,8 @@ int cmd_list(Client& c, const std::vector<std::string>& args) {
     return 0;
   }
   std::vector<std::vector<std::string>> rows = {
-      {"ID", "NAME", "STATE", "HUB", "PID", "PRIO", "MEM", "VIOL", "STEPS", "ORIGIN", "STARTED",
-       "MESSAGE"}};
+      {"ID", "NAME", "STATE", "HUB", "PID", "PRIO", "MEM", "VIOL", "STEPS", "SPILL", "ORIGIN",
+       "STARTED", "MESSAGE"}};
   for (auto t : list) {
     std::string msgtext = str(t.getMessage());
     if (msgtext.size() > 70) msgtext = msgtext.substr(0, 67) + "...";
@@ -341,8 +352,8 @@ int cmd_list(Client& c, const std::vector<std::string>& args) {
                     t.getPid() ? std::to_string(t.getPid()) : "-",
                     std::to_string(t.getSpec().getPriority()),
                     human_bytes(t.getSpec().getMemNeed()), std::to_string(t.getViolations()),
-                    std::to_string(t.getSteps()), str(t.getOrigin()), when(t.getStartedAt()),
-                    msgtext});
+                    std::to_string(t.getSteps()), spill(t.getNsInBubbles(), t.getNsOutside()),
+                    str(t.getOrigin()), when(t.getStartedAt()), msgtext});
   }
   if (list.size() == 0) {
     puts(all ? "no tasks" : "no queued or running tasks (--all shows finished ones)");

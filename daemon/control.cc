@@ -266,6 +266,7 @@ void fill_record(proto::TaskRecord::Builder b, const TaskRow& r) {
   b.setMessage(r.message);
   b.setSteps(r.steps);
   b.setNsInBubbles(r.ns_in_bubbles);
+  b.setNsOutside(r.ns_outside);
 }
 
 // Reads up to max bytes of the log at path: its tail (offset < 0; *truncated says whether

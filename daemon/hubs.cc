@@ -287,6 +287,7 @@ void Agent::reconcile_tasks(Hub* hub) {
       TaskRow& row = rit->second;
       row.steps = t.steps;
       row.ns_in_bubbles = t.ns_in_bubbles;
+      row.ns_outside = t.ns_outside;
       if (row.origin == "attached") {
         if (t.state == core::TaskRunState::kFailed) row.message = "reported failure";
         if (t.state == core::TaskRunState::kFinished) row.message = "reported it finished";

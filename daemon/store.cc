@@ -59,7 +59,7 @@ CREATE TABLE IF NOT EXISTS tasks (
   pid_start INTEGER NOT NULL, exit_code INTEGER NOT NULL, signal INTEGER NOT NULL,
   violations INTEGER NOT NULL, attempts INTEGER NOT NULL, submitted_at INTEGER NOT NULL,
   started_at INTEGER NOT NULL, ended_at INTEGER NOT NULL, message TEXT NOT NULL,
-  steps INTEGER NOT NULL, ns_in_bubbles INTEGER NOT NULL);
+  steps INTEGER NOT NULL, ns_in_bubbles INTEGER NOT NULL, ns_outside INTEGER NOT NULL DEFAULT 0);
 CREATE TABLE IF NOT EXISTS actions (
   id INTEGER PRIMARY KEY AUTOINCREMENT, at_ms INTEGER NOT NULL, task INTEGER NOT NULL,
   pid INTEGER NOT NULL, hub TEXT NOT NULL, action TEXT NOT NULL, detail TEXT NOT NULL);
@@ -70,7 +70,19 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 const char kTaskColumns[] =
     "name, argv, env, cwd, hub_spec, gpu, priority, mem_need, mps_priority, mps_mem_limit, "
     "state, origin, hub, pid, pid_start, exit_code, signal, violations, attempts, submitted_at, "
-    "started_at, ended_at, message, steps, ns_in_bubbles";
+    "started_at, ended_at, message, steps, ns_in_bubbles, ns_outside";
+// One "?" per column of kTaskColumns, comma-separated.
+std::string task_placeholders() {
+  std::string p = "?";
+  for (const char* c = kTaskColumns; *c; ++c)
+    if (*c == ',') p += ",?";
+  return p;
+}
+constexpr int kTaskColumnCount = [] {
+  int n = 1;
+  for (const char* c = kTaskColumns; *c; ++c) n += *c == ',';
+  return n;
+}();
 
 void bind_task(sqlite3_stmt* st, const TaskRow& r) {
   std::string argv = join0(r.spec.argv), env = join0(r.spec.env);
@@ -100,6 +112,7 @@ void bind_task(sqlite3_stmt* st, const TaskRow& r) {
   sqlite3_bind_text(st, i++, r.message.c_str(), -1, SQLITE_TRANSIENT);
   sqlite3_bind_int64(st, i++, static_cast<int64_t>(r.steps));
   sqlite3_bind_int64(st, i++, static_cast<int64_t>(r.ns_in_bubbles));
+  sqlite3_bind_int64(st, i++, static_cast<int64_t>(r.ns_outside));
 }
 
 }  // namespace
@@ -132,6 +145,14 @@ sqlite3_stmt* Store::prepare(const char* sql) {
   return st;
 }
 
+// A database written by an agent from before a column existed gets it, with its default.
+bool Store::add_missing_columns() {
+  Stmt s{prepare("SELECT COUNT(*) FROM pragma_table_info('tasks') WHERE name = 'ns_outside'")};
+  if (!s.st || sqlite3_step(s.st) != SQLITE_ROW) return fail("read the tasks table's columns");
+  if (sqlite3_column_int(s.st, 0) != 0) return true;
+  return exec("ALTER TABLE tasks ADD COLUMN ns_outside INTEGER NOT NULL DEFAULT 0;");
+}
+
 std::string Store::open(const std::string& path, const char* vfs) {
   if (sqlite3_open_v2(path.c_str(), &db_,
                       SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX,
@@ -145,7 +166,7 @@ std::string Store::open(const std::string& path, const char* vfs) {
   // WAL keeps readers and the writer apart. synchronous=NORMAL: a commit is in the file (an
   // agent that dies loses nothing) without a sync; submissions sync (synced(), store.h).
   if (!exec("PRAGMA journal_mode=WAL;") || !exec("PRAGMA synchronous=NORMAL;") ||
-      !exec(kSchema)) {
+      !exec(kSchema) || !add_missing_columns()) {
     return "cannot initialize the database " + path + ": " + error_ +
            " (another bubbled may hold it, or it is not a bubbled database)";
   }
@@ -153,8 +174,8 @@ std::string Store::open(const std::string& path, const char* vfs) {
 }
 
 bool Store::insert_task(TaskRow* row) {
-  std::string sql = std::string("INSERT INTO tasks (") + kTaskColumns +
-                    ") VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)";
+  std::string sql = std::string("INSERT INTO tasks (") + kTaskColumns + ") VALUES (" +
+                    task_placeholders() + ")";
   Stmt s{prepare(sql.c_str())};
   if (!s.st) return false;
   bind_task(s.st, *row);
@@ -167,12 +188,12 @@ bool Store::insert_task(TaskRow* row) {
 }
 
 bool Store::update_task(const TaskRow& row) {
-  std::string sql = "UPDATE tasks SET (" + std::string(kTaskColumns) +
-                    ") = (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?) WHERE id = ?";
+  std::string sql = "UPDATE tasks SET (" + std::string(kTaskColumns) + ") = (" +
+                    task_placeholders() + ") WHERE id = ?";
   Stmt s{prepare(sql.c_str())};
   if (!s.st) return false;
   bind_task(s.st, row);
-  sqlite3_bind_int64(s.st, 26, row.id);
+  sqlite3_bind_int64(s.st, kTaskColumnCount + 1, row.id);
   if (sqlite3_step(s.st) != SQLITE_DONE) return fail("update task");
   return true;
 }
@@ -213,6 +234,7 @@ std::vector<TaskRow> Store::load_tasks() {
     r.message = col_text(s.st, i++);
     r.steps = static_cast<uint64_t>(sqlite3_column_int64(s.st, i++));
     r.ns_in_bubbles = static_cast<uint64_t>(sqlite3_column_int64(s.st, i++));
+    r.ns_outside = static_cast<uint64_t>(sqlite3_column_int64(s.st, i++));
     out.push_back(std::move(r));
   }
   return out;

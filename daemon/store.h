@@ -57,6 +57,7 @@ class Store {
 
  private:
   bool exec(const char* sql);
+  bool add_missing_columns();
   sqlite3_stmt* prepare(const char* sql);
   bool fail(const char* what);
   // Runs f with synchronous=FULL: what it commits is on the disk when it returns. Inside a

@@ -48,6 +48,7 @@ struct TaskRow {
   std::string message;
   uint64_t steps = 0;
   uint64_t ns_in_bubbles = 0;
+  uint64_t ns_outside = 0;  // its step time past bubbles' ends
   std::string requeue_note;  // why a launched task waits again (kept in memory only)
 };
 

@@ -107,6 +107,7 @@ struct TaskRecord {
   message @13 :Text;     # why it is in its state
   steps @14 :UInt64;
   nsInBubbles @15 :UInt64;
+  nsOutside @16 :UInt64;  # its step time that ran past bubbles' ends
 }
 
 struct ListRequest {

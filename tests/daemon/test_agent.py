@@ -20,7 +20,9 @@ def test_submit_runs_task_to_completion_and_lists_it(env):
     assert t["origin"] == "submitted"
     assert t["attempts"] == 1
     table = env.ctl("list", "--all").stdout
-    assert "good" in table and "finished" in table
+    assert "good" in table and "finished" in table and "SPILL" in table
+    row = next(r for r in json.loads(env.ctl("list", "--all", "--json").stdout) if r["id"] == tid)
+    assert row["ns_in_bubbles"] >= 0 and row["ns_outside"] >= 0  # as last sampled
     out = env.ctl("logs", str(tid)).stdout
     assert "attached to j:0" in out
     assert "done: BB_OK after 30 steps" in out

@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include <capnp/message.h>
+#include <sqlite3.h>
 
 using namespace bb::daemon;
 
@@ -270,6 +271,57 @@ TEST_CASE("store_keeps_tasks_and_actions_across_reopen") {
     CHECK(s.load_actions(5, 2).size() == 2);
     CHECK(s.load_actions(1, 2).size() == 1);
     CHECK(s.load_actions(0).size() == 3);
+  }
+  REQUIRE(system((std::string("rm -rf ") + dir).c_str()) == 0);
+}
+
+// A database from an agent before ns_outside existed: opening it adds the column (0 for the old
+// rows), and a task's figure round-trips from then on.
+TEST_CASE("store_adds_a_column_an_older_database_lacks") {
+  char dir[] = "/tmp/bb-store-XXXXXX";
+  REQUIRE(mkdtemp(dir) != nullptr);
+  const std::string path = std::string(dir) + "/db";
+  {
+    sqlite3* db = nullptr;
+    REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
+    const char* old_schema =
+        "CREATE TABLE tasks (id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT NOT NULL, "
+        "argv BLOB NOT NULL, env BLOB NOT NULL, cwd TEXT NOT NULL, hub_spec TEXT NOT NULL, "
+        "gpu INTEGER NOT NULL, priority INTEGER NOT NULL, mem_need INTEGER NOT NULL, "
+        "mps_priority INTEGER NOT NULL, mps_mem_limit TEXT NOT NULL, state TEXT NOT NULL, "
+        "origin TEXT NOT NULL, hub TEXT NOT NULL, pid INTEGER NOT NULL, pid_start INTEGER NOT "
+        "NULL, exit_code INTEGER NOT NULL, signal INTEGER NOT NULL, violations INTEGER NOT NULL, "
+        "attempts INTEGER NOT NULL, submitted_at INTEGER NOT NULL, started_at INTEGER NOT NULL, "
+        "ended_at INTEGER NOT NULL, message TEXT NOT NULL, steps INTEGER NOT NULL, "
+        "ns_in_bubbles INTEGER NOT NULL);"
+        "INSERT INTO tasks VALUES (NULL, 'old', X'', X'', '/', '', 0, 0, 0, 0, '', 'finished', "
+        "'submitted', 'j:0', 0, 0, 0, 0, 0, 1, 0, 0, 0, '', 7, 1234);";
+    CHECK(sqlite3_exec(db, old_schema, nullptr, nullptr, nullptr) == SQLITE_OK);
+    sqlite3_close(db);
+  }
+  {
+    Store s;
+    REQUIRE(s.open(path).empty());
+    auto rows = s.load_tasks();
+    REQUIRE(rows.size() == 1);
+    CHECK(rows[0].spec.name == "old");
+    CHECK(rows[0].steps == 7);
+    CHECK(rows[0].ns_in_bubbles == 1234);
+    CHECK(rows[0].ns_outside == 0);
+    TaskRow row;
+    row.spec.name = "new";
+    row.ns_outside = 99;
+    REQUIRE(s.insert_task(&row));
+    row.ns_outside = 100;
+    REQUIRE(s.update_task(row));
+  }
+  {
+    Store s;  // opened again: the column is there, nothing is added twice
+    REQUIRE(s.open(path).empty());
+    auto rows = s.load_tasks();
+    REQUIRE(rows.size() == 2);
+    CHECK(rows[1].spec.name == "new");
+    CHECK(rows[1].ns_outside == 100);
   }
   REQUIRE(system((std::string("rm -rf ") + dir).c_str()) == 0);
 }
