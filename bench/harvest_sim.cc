@@ -72,13 +72,27 @@ struct StepEstimate {
   double value() const { return any ? mean + 2 * dev : 0; }
   // As core/task.cc: an estimate longer than the room of every recent bubble (its length less
   // how late the task got to it) is lowered a little by each bubble without a step, so one slow
-  // step cannot lock the task out for good.
+  // step cannot lock the task out for good; a step that spills doubles the bubbles to wait
+  // before the next lowering (8 to 1024), one that fits resets that.
   double longest = 0;
+  int probe_wait = 0, probe_gap = 0;
   void bubble_begins(double room) { longest = std::max(room, longest - longest / 64); }
   void no_step() {
     if (value() <= longest) return;
+    if (probe_wait > 0) {
+      --probe_wait;
+      return;
+    }
     mean -= mean / 16;
     dev -= dev / 4;
+  }
+  void stepped(bool spilled) {
+    if (!spilled) {
+      probe_gap = 0;
+      return;
+    }
+    probe_gap = std::min(std::max(2 * probe_gap, 8), 1024);
+    probe_wait = probe_gap;
   }
 };
 
@@ -139,6 +153,7 @@ Tally replay(Policy policy, const std::vector<double>& bubbles, double step, con
         stepped = true;
         t.harvested += std::min(run, left);
         t.spilled += std::max(0.0, run - left);
+        est.stepped(run > left);
         now += run;
         // A shrunken step says nothing about a full step's time.
         if (!shrunk) est.add(run);

@@ -625,17 +625,29 @@ bb_status Task::run(const bb_task_callbacks_t& cbs) {
         // An estimate longer than the room of every recent bubble would lock the task out for
         // good after one slow outlier step: then each bubble without a step lowers it a little
         // until a step is tried again. Rooms shorter than the longest never lower it (that
-        // would start steps that spill).
+        // would start steps that spill). A tried step that spilled (its steps really are that
+        // long) doubles the bubbles to wait before the next try, up to kMaxProbeGap.
         if (!stepped && need > longest_room_ns_) {
-          step_est_.mean -= step_est_.mean / 16;
-          step_est_.dev -= step_est_.dev / 4;
+          if (probe_wait_ > 0) {
+            --probe_wait_;
+          } else {
+            step_est_.mean -= step_est_.mean / 16;
+            step_est_.dev -= step_est_.dev / 4;
+          }
         }
         break;
       }
       stepped = true;
       const uint64_t t0 = now_ns();
       const int rc = cbs.step(user, &si);
-      report_step(now_ns() - t0);
+      const uint64_t t1 = now_ns();
+      report_step(t1 - t0);
+      if (info.deadline_ns == 0 || t1 <= info.deadline_ns) {
+        probe_gap_ = 0;
+      } else {
+        probe_gap_ = std::min(std::max(2 * probe_gap_, kFirstProbeGap), kMaxProbeGap);
+        probe_wait_ = probe_gap_;
+      }
       if (rc < 0) {
         failed_cb("step");
         break;

@@ -106,6 +106,10 @@ class Task {
   // its sleeps that much earlier (the mean), so it is spinning when the predicted bubble begins.
   SmoothedEstimate step_est_, sleep_late_;
   uint64_t longest_room_ns_ = 0;  // the most room a recent bubble left the task, decaying slowly
+  // Bubbles without a step to wait before the estimate is lowered again, and the current gap:
+  // it doubles with each step that spills past its bubble, and a step that fits resets it.
+  static constexpr uint32_t kFirstProbeGap = 8, kMaxProbeGap = 1024;
+  uint32_t probe_wait_ = 0, probe_gap_ = 0;
   uint64_t reattach_until_ = 0;     // while re-attaching: when to give up (0: not re-attaching)
 
   // The mapped grant (grant_id_ != 0) and the trainer's grant words last applied.

@@ -403,6 +403,24 @@ TEST_CASE("one_slow_step_does_not_lock_a_late_starting_task_out") {
   CHECK(t.bubbles_until([&] { return steps() >= 100; }));
 }
 
+// A task whose steps never fit the room it gets (1.5 ms steps, 1 ms into 2 ms bubbles) still
+// tries one now and then, as above, but each try that spills doubles the bubbles before the next:
+// over 400 bubbles it tries a handful of times, not every few bubbles.
+TEST_CASE("a_task_whose_steps_never_fit_its_room_tries_ever_more_rarely") {
+  RuntimeDir dir;
+  Trainer t("rare");
+  Child task(task_args("rare", "w", "iterative", {"--step-us", "1500", "--resume-us", "1000"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(eventually([&] { return t.stats().tasks_attached == 1; }));
+  const auto steps = [&] { return t.tasks().empty() ? 0 : t.tasks()[0].steps; };
+  REQUIRE(t.bubbles_until([&] { return steps() >= 2; }));  // it does try again
+  const uint64_t before = steps();
+  t.bubbles_until([] { return false; }, 400);
+  const uint64_t tries = steps() - before;
+  INFO("steps tried in 400 bubbles: " << tries);
+  CHECK(tries <= 8);
+}
+
 TEST_CASE("hung_task_never_stalls_the_trainer") {
   RuntimeDir dir;
   Trainer t("hung", 0, 8, 1);
