@@ -288,7 +288,7 @@ std::string spill(uint64_t in_ns, uint64_t out_ns) {
 }
 
 std::string task_json(proto::TaskRecord::Reader t) {
-  char buf[640];  // fifteen numbers of up to 20 digits and their keys
+  char buf[640];  // fourteen numbers of up to 20 digits and their keys
   std::string o = "{";
   snprintf(buf, sizeof buf,
            "\"id\":%llu,\"pid\":%d,\"exit_code\":%d,\"signal\":%d,\"violations\":%u,"

@@ -147,10 +147,13 @@ sqlite3_stmt* Store::prepare(const char* sql) {
 
 // A database written by an agent from before a column existed gets it, with its default.
 bool Store::add_missing_columns() {
-  Stmt s{prepare("SELECT COUNT(*) FROM pragma_table_info('tasks') WHERE name = 'ns_outside'")};
-  if (!s.st || sqlite3_step(s.st) != SQLITE_ROW) return fail("read the tasks table's columns");
-  if (sqlite3_column_int(s.st, 0) != 0) return true;
-  return exec("ALTER TABLE tasks ADD COLUMN ns_outside INTEGER NOT NULL DEFAULT 0;");
+  int have = 0;
+  {
+    Stmt s{prepare("SELECT COUNT(*) FROM pragma_table_info('tasks') WHERE name = 'ns_outside'")};
+    if (!s.st || sqlite3_step(s.st) != SQLITE_ROW) return fail("read the tasks table's columns");
+    have = sqlite3_column_int(s.st, 0);
+  }  // finalized before the table changes
+  return have != 0 || exec("ALTER TABLE tasks ADD COLUMN ns_outside INTEGER NOT NULL DEFAULT 0;");
 }
 
 std::string Store::open(const std::string& path, const char* vfs) {

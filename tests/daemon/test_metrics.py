@@ -44,7 +44,7 @@ def test_metrics_endpoint_answers_and_counters_move(env):
     assert value(text, "bubble_tasks_submitted_total") == 1
     assert value(text, "bubble_tasks", '{state="running"}') == 1
     env.ctl("cancel", str(tid))
-    # Killed when it has not left within the stop timeout (on a starved machine it may not).
+    # Ended cancelled, or killed if enforcement got to it first (a starved task acks late).
     ended = env.wait_state(tid, ("cancelled", "killed"))["state"]
     text = scrape(port)
     assert value(text, "bubble_tasks_ended_total", f'{{state="{ended}"}}') == 1

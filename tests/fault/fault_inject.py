@@ -97,9 +97,10 @@ def fd_kinds(pid):
     return len(targets) - socks, socks
 
 
-# What a trainer holds for each attached task besides its connection: the task's pidfd, its
-# page and its grant. With no task attached there is none of them.
-PER_TASK_FDS = ("anon_inode:[pidfd]", "/memfd:bubble-task", "/memfd:bubble-grant")
+# What a trainer holds for each attached task besides its connection: the task's pidfd (shown as
+# "pidfd:[N]" since Linux 6.9, "anon_inode:[pidfd]" before), its page and its grant. With no task
+# attached there is none of them.
+PER_TASK_FDS = ("anon_inode:[pidfd]", "pidfd:", "/memfd:bubble-task", "/memfd:bubble-grant")
 
 
 def fixed_files(pid):
