@@ -67,7 +67,7 @@ CREATE INDEX IF NOT EXISTS actions_by_task ON actions (task);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 )sql";
 
-const char kTaskColumns[] =
+constexpr char kTaskColumns[] =
     "name, argv, env, cwd, hub_spec, gpu, priority, mem_need, mps_priority, mps_mem_limit, "
     "state, origin, hub, pid, pid_start, exit_code, signal, violations, attempts, submitted_at, "
     "started_at, ended_at, message, steps, ns_in_bubbles, ns_outside";
