@@ -71,8 +71,8 @@ constexpr char kTaskColumns[] =
     "name, argv, env, cwd, hub_spec, gpu, priority, mem_need, mps_priority, mps_mem_limit, "
     "state, origin, hub, pid, pid_start, exit_code, signal, violations, attempts, submitted_at, "
     "started_at, ended_at, message, steps, ns_in_bubbles, ns_outside";
-// One "?" per column of kTaskColumns, comma-separated.
-std::string task_placeholders() {
+// One SQL parameter ("?") per column of kTaskColumns, comma-separated.
+std::string task_parameters() {
   std::string p = "?";
   for (const char* c = kTaskColumns; *c; ++c)
     if (*c == ',') p += ",?";
@@ -178,7 +178,7 @@ std::string Store::open(const std::string& path, const char* vfs) {
 
 bool Store::insert_task(TaskRow* row) {
   std::string sql = std::string("INSERT INTO tasks (") + kTaskColumns + ") VALUES (" +
-                    task_placeholders() + ")";
+                    task_parameters() + ")";
   Stmt s{prepare(sql.c_str())};
   if (!s.st) return false;
   bind_task(s.st, *row);
@@ -192,7 +192,7 @@ bool Store::insert_task(TaskRow* row) {
 
 bool Store::update_task(const TaskRow& row) {
   std::string sql = "UPDATE tasks SET (" + std::string(kTaskColumns) + ") = (" +
-                    task_placeholders() + ") WHERE id = ?";
+                    task_parameters() + ") WHERE id = ?";
   Stmt s{prepare(sql.c_str())};
   if (!s.st) return false;
   bind_task(s.st, row);
