@@ -165,8 +165,12 @@ func (t *Trainer) Close() error {
 	if t == nil || !t.closed.CompareAndSwap(false, true) {
 		return nil
 	}
-	for t.inflight.Load() > 0 {
-		time.Sleep(50 * time.Microsecond)
+	// Calls in flight are short, but one (Unlend) may block for seconds: back off to 1 ms.
+	for wait := 50 * time.Microsecond; t.inflight.Load() > 0; {
+		time.Sleep(wait)
+		if wait < time.Millisecond {
+			wait *= 2
+		}
 	}
 	h := t.h
 	t.h = nil
