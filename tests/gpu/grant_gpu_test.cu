@@ -9,7 +9,9 @@
 // this same program started as "bubble_grant_gpu_test --task <socket-fd>".
 #include <cuda_runtime.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/socket.h>
+#include <sys/syscall.h>
 #include <sys/time.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -115,20 +117,17 @@ struct Child {
   pid_t pid = -1;
   int sock = -1;
   ~Child() { stop(); }
-  // Closes its socket, which ends it, and reaps it (killed if it has not ended within 10 s).
+  // Closes its socket, which ends it, and reaps it (killed if it has not ended within 10 s;
+  // its pidfd turns readable when it exits).
   void stop() {
     if (sock >= 0) close(sock);
     sock = -1;
     if (pid > 0) {
-      bool gone = false;
-      for (int i = 0; i < 1000 && !gone; ++i) {
-        gone = waitpid(pid, nullptr, WNOHANG) == pid;
-        if (!gone) usleep(10000);
-      }
-      if (!gone) {
-        kill(pid, SIGKILL);
-        waitpid(pid, nullptr, 0);
-      }
+      const int pidfd = static_cast<int>(syscall(SYS_pidfd_open, pid, 0));
+      pollfd p{pidfd, POLLIN, 0};
+      if (pidfd < 0 || poll(&p, 1, 10000) != 1) kill(pid, SIGKILL);
+      if (pidfd >= 0) close(pidfd);
+      waitpid(pid, nullptr, 0);
     }
     pid = -1;
   }
