@@ -23,6 +23,8 @@
  *   --old-callbacks (iterative): passes bb_task_callbacks_t with the size of a struct from before
  *   idle, and an address in idle that would crash if the library called it,
  *   --wait (re-attach when the trainer goes away), --reattach-ms N,
+ *   --attach-uid N (started as root): attaches as uid N (real and effective; the saved uid
+ *   stays 0), then is root again: a task its trainer, running as N, cannot signal,
  *   --wake predictive|sleep|spin (how it waits for a start),
  *   --grant-seed N: fill each new grant with the pattern word(i) = N ^ (i * 2654435761), and
  *   print "GRANT <id> <bytes>" once it is written (iterative, imperative and the grant modes)
@@ -37,6 +39,7 @@
  * "RESULT <status name> steps=<n> starts=<n>". Exit code 0 unless attach failed (2, with the
  * library's message on stderr).
  */
+#define _GNU_SOURCE /* setresuid */
 #include <bubble/bubble.h>
 
 #include <signal.h>
@@ -46,6 +49,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/types.h>
 #include <unistd.h>
 
 static uint64_t step_ns = 200000;
@@ -56,6 +60,7 @@ static int grant_seed_set = 0;
 static uint32_t grant_seed = 0;
 static uint64_t grant_written = 0; /* id of the last grant filled */
 static const char *die_at = NULL;
+static long attach_uid = -1;
 static unsigned long die_after = 1, reached = 0;
 static const char *const kPoints[] = {"never", "attached", "started", "step", "grant",
                                       "pause-seen", "acked"};
@@ -186,6 +191,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--reattach-ms")) opts.reattach_timeout_ns = strtoull(v, NULL, 10) * 1000000, ++i;
     else if (!strcmp(a, "--grant-seed")) grant_seed = (uint32_t)strtoul(v, NULL, 10), grant_seed_set = 1, ++i;
     else if (!strcmp(a, "--die-at")) die_at = v, ++i;
+    else if (!strcmp(a, "--attach-uid")) attach_uid = atol(v), ++i;
     else if (!strcmp(a, "--die-after")) die_after = strtoul(v, NULL, 10), ++i;
     else if (!strcmp(a, "--wake")) {
       if (!strcmp(v, "predictive")) opts.wake_mode = BB_WAKE_PREDICTIVE;
@@ -209,8 +215,16 @@ int main(int argc, char **argv) {
                     "acked\n", die_at);
     return 64;
   }
+  if (attach_uid >= 0 && setresuid((uid_t)attach_uid, (uid_t)attach_uid, 0) != 0) {
+    perror("--attach-uid: setresuid");
+    return 64;
+  }
   bb_task_h task;
   bb_status st = bb_task_attach(job, rank, name, &opts, &task);
+  if (attach_uid >= 0 && setresuid(0, 0, 0) != 0) {
+    perror("--attach-uid: back to root");
+    return 64;
+  }
   if (st != BB_OK) {
     fprintf(stderr, "attach: %s: %s\n", bb_status_name(st), bb_last_error());
     printf("RESULT %s steps=0 starts=0\n", bb_status_name(st));

@@ -2,6 +2,7 @@
  *
  *   bb_test_trainer JOB RANK [--bubble-us N] [--gap-us N] [--max-slots N] [--free-mem N]
  *                   [--lend host|cuda-ipc|cuda-vmm:BYTES] [--await-tasks N] [--commands]
+ *                   [--uid N]
  *
  * Opens the hub, prints "OPEN <pid>", lends memory if asked ("LENT", or "LEND_FAILED <status>
  * <message>" and exit code 3), waits until N tasks are attached if asked, then runs bubbles of
@@ -12,14 +13,19 @@
  * --commands: also reads commands on stdin between bubbles, one per line:
  *   S  print "STATS key=value ..." (bubble calls made and failed, hub counters, grant counters,
  *      and "pids=<p1,p2,...>" of the attached tasks)
+ *   U MS  bb_trainer_unlend with a deadline MS milliseconds away; prints "UNLENT <status>"
+ *      and, unless BB_OK, the library's message after it
  *   Q  close the hub cleanly as on SIGTERM
  * End of stdin (the driver died) also closes the hub: such a trainer never outlives its driver.
  * Every bb_bubble_begin / bb_bubble_end that does not return BB_OK is counted, never retried.
+ * --uid N (started as root): runs as uid and gid N from before it opens the hub, so it cannot
+ * signal tasks that run as root.
  */
 #define _GNU_SOURCE
 #include <bubble/bubble.h>
 
 #include <errno.h>
+#include <grp.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -79,6 +85,13 @@ static void print_stats(void) {
   fflush(stdout);
 }
 
+static void unlend(uint64_t ms) {
+  const bb_status st = bb_trainer_unlend(trainer, bb_now_ns() + ms * 1000000);
+  if (st == BB_OK) printf("UNLENT %s\n", bb_status_name(st));
+  else printf("UNLENT %s %s\n", bb_status_name(st), bb_last_error());
+  fflush(stdout);
+}
+
 /* The gap between bubbles; with --commands it is spent waiting on stdin, so the commands are
  * served on this one thread, between bubbles, never while the hub is being closed. */
 static void gap(uint64_t us) {
@@ -89,27 +102,36 @@ static void gap(uint64_t us) {
   struct pollfd p = {0, POLLIN, 0};
   const struct timespec ts = span(us);
   if (ppoll(&p, 1, &ts, NULL) != 1) return;
-  static int line_start = 1;
+  static char line[256];
+  static size_t len;
   char buf[256];
   const ssize_t n = read(0, buf, sizeof buf);
   if (n == 0 || (n < 0 && errno != EINTR)) stop_flag = 1;
   for (ssize_t i = 0; i < n; ++i) {
-    if (line_start && buf[i] == 'S') print_stats();
-    else if (line_start && buf[i] == 'Q') stop_flag = 1;
-    line_start = buf[i] == '\n';
+    if (buf[i] != '\n') {
+      if (len + 1 < sizeof line) line[len++] = buf[i];
+      continue;
+    }
+    line[len] = 0;
+    len = 0;
+    if (line[0] == 'S') print_stats();
+    else if (line[0] == 'Q') stop_flag = 1;
+    else if (line[0] == 'U') unlend(strtoull(line + 1, NULL, 10));
   }
 }
 
 int main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: %s JOB RANK [--bubble-us N] [--gap-us N] [--max-slots N] "
-                    "[--free-mem N] [--lend BACKEND[:BYTES]] [--await-tasks N] [--commands]\n",
+                    "[--free-mem N] [--lend BACKEND[:BYTES]] [--await-tasks N] [--commands] "
+                    "[--uid N]\n",
             argv[0]);
     return 64;
   }
   uint64_t bubble_us = 2000, gap_us = 1000, free_mem = BB_MEM_UNKNOWN;
   const char *lend = NULL;
   uint32_t await_tasks = 0;
+  long uid = -1;
   bb_trainer_options_t opts;
   bb_trainer_options_init(&opts);
   for (int i = 3; i < argc; ++i) {
@@ -121,6 +143,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--free-mem")) free_mem = strtoull(v, NULL, 10), ++i;
     else if (!strcmp(a, "--lend")) lend = v, ++i;
     else if (!strcmp(a, "--await-tasks")) await_tasks = (uint32_t)atoi(v), ++i;
+    else if (!strcmp(a, "--uid")) uid = atol(v), ++i;
     else {
       fprintf(stderr, "unknown option %s\n", a);
       return 64;
@@ -131,6 +154,11 @@ int main(int argc, char **argv) {
   sa.sa_handler = on_signal;
   sigaction(SIGTERM, &sa, NULL);
   sigaction(SIGINT, &sa, NULL);
+  if (uid >= 0 && (setgroups(0, NULL) != 0 || setresgid((gid_t)uid, (gid_t)uid, (gid_t)uid) != 0 ||
+                   setresuid((uid_t)uid, (uid_t)uid, (uid_t)uid) != 0)) {
+    perror("--uid");
+    return 64;
+  }
   bb_status st = bb_trainer_open(argv[1], (uint32_t)atoi(argv[2]), &opts, &trainer);
   if (st != BB_OK) {
     fprintf(stderr, "open: %s: %s\n", bb_status_name(st), bb_last_error());

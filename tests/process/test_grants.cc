@@ -7,10 +7,13 @@
 #include <dlfcn.h>
 #include <doctest/doctest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <csignal>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -475,6 +478,77 @@ TEST_CASE("unlend_brings_an_earlier_revokes_deadline_forward") {
   CHECK(killed_by_sigkill(deaf.wait_exit(0)));  // dead when unlend returned, long before `far`
   CHECK(t.grants().tasks_killed == 1);
   CHECK(t.grants().backend == 0);
+}
+
+namespace {
+
+// One counter of a bb_test_trainer "STATS key=value ..." line (UINT64_MAX if it is missing).
+uint64_t stat_of(const std::string& line, const std::string& key) {
+  const size_t at = line.find(" " + key + "=");
+  return at == std::string::npos ? UINT64_MAX
+                                 : std::strtoull(line.c_str() + at + key.size() + 2, nullptr, 10);
+}
+
+}  // namespace
+
+// A holder the kill cannot reach (the trainer runs as another user, the task as root): unlend
+// gives up past its deadline with BB_E_TIMEOUT and the memory stays lent to it, while a task
+// that gave its grant back is granted again; once the holder is gone, unlend frees it all.
+TEST_CASE("unlend_times_out_on_a_holder_it_cannot_kill_and_keeps_the_memory_lent") {
+  if (geteuid() != 0) {
+    MESSAGE("skipped: needs root, to run the trainer as another user than its task");
+    return;
+  }
+  constexpr uid_t kNobody = 65534;
+  RuntimeDir dir;
+  REQUIRE(chown(dir.path().c_str(), kNobody, kNobody) == 0);
+  const auto shm_before = bbtest::dev_shm();
+  Child trainer({trainer_bin(), "gx", "0", "--uid", std::to_string(kNobody), "--lend",
+                 "host:1048576", "--commands", "--bubble-us", "1000", "--gap-us", "1000"},
+                true);
+  REQUIRE(trainer.wait_line("LENT") != "");
+  const std::string as_nobody = std::to_string(kNobody);
+  Child deaf(task_args("gx", "deaf", "grant-hang",
+                       {"--mem", "65536", "--grant-seed", "5", "--attach-uid", as_nobody}));
+  Child coop(task_args("gx", "coop", "iterative", {"--mem", "65536", "--grant-seed", "6",
+                                                   "--step-us", "100", "--attach-uid", as_nobody}));
+  REQUIRE(deaf.wait_line("GRANT") != "");
+  REQUIRE(coop.wait_line("GRANT") != "");
+
+  REQUIRE(trainer.write_stdin("U 300\n"));
+  const std::string timed_out = trainer.wait_line("UNLENT", 30000);
+  INFO(timed_out);
+  CHECK(timed_out.rfind("UNLENT BB_E_TIMEOUT", 0) == 0);
+  CHECK(timed_out.find("1 grant(s) were not given back") != std::string::npos);
+  CHECK(timed_out.find("stays lent") != std::string::npos);
+  // The holder lives on and still maps its grant; the memory under it was not freed.
+  CHECK(kill(deaf.pid(), 0) == 0);
+  CHECK(maps_host_grant(deaf.pid()));
+  // The other task gave its grant back, and is granted again (a new id, filled anew).
+  CHECK(coop.wait_line("GRANT") != "");
+  REQUIRE(trainer.write_stdin("S\n"));
+  const std::string lent = trainer.wait_line("STATS");
+  INFO(lent);
+  CHECK(stat_of(lent, "capacity") == 1 * kMiB);
+  CHECK(stat_of(lent, "killed") == 0);  // the kill was refused
+  CHECK(stat_of(lent, "active") + stat_of(lent, "revoking") == 2);
+
+  // Once the holder is gone its grant comes back, and unlend frees the memory.
+  REQUIRE(kill(deaf.pid(), SIGKILL) == 0);
+  CHECK(killed_by_sigkill(deaf.wait_exit(10000)));
+  REQUIRE(trainer.write_stdin("U 5000\n"));
+  const std::string unlent = trainer.wait_line("UNLENT", 30000);
+  CHECK(unlent == "UNLENT BB_OK");
+  REQUIRE(trainer.write_stdin("S\n"));
+  const std::string after = trainer.wait_line("STATS");
+  INFO(after);
+  CHECK(stat_of(after, "capacity") == 0);
+  CHECK(stat_of(after, "active") == 0);
+  REQUIRE(trainer.write_stdin("Q\n"));
+  CHECK(trainer.wait_line("CLOSED") == "CLOSED BB_OK");
+  CHECK(trainer.wait_exit() == 0);
+  CHECK(coop.wait_line("RESULT").find("BB_E_TRAINER_GONE") != std::string::npos);
+  CHECK(bbtest::dev_shm() == shm_before);
 }
 
 TEST_CASE("grants_never_overlap_and_freed_ranges_coalesce_for_a_waiting_task") {
