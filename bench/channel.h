@@ -47,6 +47,12 @@ std::unique_ptr<Channel> make_spin_channel(uint32_t* shared_word);
 // from the clock inside bb_bubble_begin), so this is the floor of that design. `shared_line` is
 // one cache line (64 bytes, aligned).
 std::unique_ptr<Channel> make_spin_timed_channel(void* shared_line);
+// The timed spin with a readiness check in front: the waiter, once it has seen a bump, writes
+// how many it has seen on a second line, and the waker loads that line before it signals (and
+// counts the times it found the waiter behind; it signals anyway). A libbubble start has this
+// shape too: bb_bubble_begin starts only a task that acked its last run, which it learns from a
+// line the task wrote. `shared_lines` is two cache lines (128 bytes, aligned).
+std::unique_ptr<Channel> make_spin_handshake_channel(void* shared_lines);
 std::unique_ptr<Channel> make_eventfd_channel();
 std::unique_ptr<Channel> make_pipe_channel();
 std::unique_ptr<Channel> make_unix_socket_channel();

@@ -52,41 +52,55 @@ class FutexChannel : public Channel {
 
 class SpinChannel : public Channel {
  public:
-  // `line` is one cache line: the word first, then (timed) the waker's clock read.
-  SpinChannel(void* line, bool timed) : line_(static_cast<Line*>(line)), timed_(timed) {}
+  enum class Kind { kBare, kTimed, kHandshake };
+  // `lines`: the word first, then (kTimed, kHandshake) the waker's clock read; kHandshake uses
+  // the next cache line too, for the waiter's count of bumps seen.
+  SpinChannel(void* lines, Kind kind) : line_(static_cast<Line*>(lines)), kind_(kind) {}
   const char* name() const override {
-    return timed_ ? "shared-memory spin carrying the waker's clock read"
-                  : "shared-memory spin (floor)";
+    switch (kind_) {
+      case Kind::kTimed: return "shared-memory spin carrying the waker's clock read";
+      case Kind::kHandshake:
+        return "shared-memory spin carrying the clock read, after a check that the waiter took the last signal";
+      case Kind::kBare: break;
+    }
+    return "shared-memory spin (floor)";
   }
   bool supports(bool busy) const override { return busy; }
   bool setup_waker(std::string*) override { return true; }
   bool signal() override {
-    if (timed_) line_->sent_ns.store(bb_now_ns(), std::memory_order_relaxed);
-    line_->word.fetch_add(1, std::memory_order_release);
+    // As bb_bubble_begin's readiness check: a load of the line the waiter last wrote.
+    if (kind_ == Kind::kHandshake) behind_ += line_[1].word.load(std::memory_order_acquire) != last_;
+    if (kind_ != Kind::kBare) line_->sent_ns.store(bb_now_ns(), std::memory_order_relaxed);
+    last_ = line_->word.fetch_add(1, std::memory_order_release) + 1;
     return true;
   }
   int run_waiter(bool, const std::function<void()>& ready,
                  const std::function<bool()>& on_wake) override {
     uint32_t seen = line_->word.load();
+    if (kind_ == Kind::kHandshake) line_[1].word.store(seen, std::memory_order_release);
     ready();
     for (;;) {
       uint32_t now;
       while ((now = line_->word.load(std::memory_order_acquire)) == seen) __builtin_ia32_pause();
       seen = now;
-      if (timed_) sent_ = line_->sent_ns.load(std::memory_order_relaxed);
-      if (!on_wake()) return 0;
+      if (kind_ != Kind::kBare) sent_ns_ = line_->sent_ns.load(std::memory_order_relaxed);
+      const bool more = on_wake();
+      if (kind_ == Kind::kHandshake) line_[1].word.store(seen, std::memory_order_release);
+      if (!more) return 0;
     }
   }
 
  private:
-  struct Line {
+  struct alignas(64) Line {
     std::atomic<uint32_t> word;
     std::atomic<uint64_t> sent_ns;
   };
-  static_assert(sizeof(Line) <= 64);
+  static_assert(sizeof(Line) == 64);
   Line* line_;
-  bool timed_;
-  volatile uint64_t sent_ = 0;  // read as a task reads its start's begin time
+  Kind kind_;
+  volatile uint64_t sent_ns_ = 0;  // read as a task reads its start's begin time
+  uint32_t last_ = 0;              // the word after the waker's last bump
+  uint64_t behind_ = 0;            // signals that found the waiter behind (kHandshake)
 };
 
 // A descriptor pair: the waker writes 8 bytes to wfd_, the waiter reads them from rfd_.
@@ -218,10 +232,13 @@ class MqueueChannel : public Channel {
 
 std::unique_ptr<Channel> make_futex_channel(uint32_t* w) { return std::make_unique<FutexChannel>(w); }
 std::unique_ptr<Channel> make_spin_channel(uint32_t* w) {
-  return std::make_unique<SpinChannel>(w, false);
+  return std::make_unique<SpinChannel>(w, SpinChannel::Kind::kBare);
 }
 std::unique_ptr<Channel> make_spin_timed_channel(void* line) {
-  return std::make_unique<SpinChannel>(line, true);
+  return std::make_unique<SpinChannel>(line, SpinChannel::Kind::kTimed);
+}
+std::unique_ptr<Channel> make_spin_handshake_channel(void* lines) {
+  return std::make_unique<SpinChannel>(lines, SpinChannel::Kind::kHandshake);
 }
 std::unique_ptr<Channel> make_eventfd_channel() { return std::make_unique<EventfdChannel>(); }
 std::unique_ptr<Channel> make_pipe_channel() { return std::make_unique<PipeChannel>(); }
