@@ -113,12 +113,22 @@ bb_status HubObserver::open(const std::string& runtime_dir, const std::string& j
   timeval tv{5, 0};
   setsockopt(impl->sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   auto m = shm::make_msg<shm::AttachObserverMsg>(shm::MsgType::kAttachObserver);
-  if (shm::send_msg(impl->sock.get(), &m, sizeof m, nullptr, 0) != 0)
-    return set(fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u went away", job.c_str(), rank));
+  const int sent = shm::send_msg(impl->sock.get(), &m, sizeof m, nullptr, 0);
+  // A trainer that refuses before reading (too many connections) has shut its side: the send
+  // fails, and its answer is there to read.
+  if (sent != 0 && sent != EPIPE && sent != ECONNRESET)
+    return set(fail(BB_E_SYSTEM, "cannot send the observer request to %s: %s", path.c_str(),
+                    std::strerror(sent)));
   alignas(8) char buf[shm::kWireMaxMessage];
   int fds[2], nfds;
   const long n = shm::recv_msg(impl->sock.get(), buf, fds, &nfds);
   shm::Fd hub_fd(fds[0]), extra(fds[1]);
+  if (n == -EAGAIN || n == -EWOULDBLOCK)
+    return set(fail(BB_E_TIMEOUT, "the trainer of hub %s.%u did not answer within 5 s",
+                    job.c_str(), rank));
+  if (n <= 0)
+    return set(fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u closed the connection",
+                    job.c_str(), rank));
   if (!shm::check_msg(buf, n, shm::MsgType::kAttachReply, sizeof(shm::AttachReplyMsg)))
     return set(fail(BB_E_VERSION, "hub %s.%u did not answer as a compatible libbubble trainer",
                     job.c_str(), rank));

@@ -137,16 +137,14 @@ bb_status Task::connect() {
   m.mem_need = opts_.mem_need;
   m.min_step_ns = opts_.min_step_ns;
   std::snprintf(m.name, sizeof m.name, "%s", name_.c_str());
-  if (int e = shm::send_msg(s.get(), &m, sizeof m, nullptr, 0)) {
-    // A trainer closing its hub can take the connection into its backlog and then reset it: it
-    // went away during the attach, as when it closes before replying (a task that waits for a
-    // trainer to reopen the hub tries again).
-    if (e == ECONNRESET || e == EPIPE)
-      return fail(BB_E_TRAINER_GONE, "the trainer at %s closed the connection during attach",
-                  path.c_str());
+  // A send that finds the connection shut (EPIPE, ECONNRESET) still reads the answer: a trainer
+  // that refuses before reading (too many connections) shuts its side first and then answers.
+  // No answer means it went away during the attach, as a trainer closing its hub does with a
+  // connection still in its backlog (a task that waits for it to reopen the hub tries again).
+  const int sent = shm::send_msg(s.get(), &m, sizeof m, nullptr, 0);
+  if (sent != 0 && sent != ECONNRESET && sent != EPIPE)
     return fail(BB_E_SYSTEM, "cannot send the attach request to %s: %s", path.c_str(),
-                std::strerror(e));
-  }
+                std::strerror(sent));
   alignas(8) char buf[shm::kWireMaxMessage];
   int fds[2], nfds;
   const long n = shm::recv_msg(s.get(), buf, fds, &nfds);

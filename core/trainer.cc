@@ -781,6 +781,17 @@ void Trainer::accept_all() {
     size_t peers = 0;
     for (const auto& p : conns_) peers += p && p->kind != Conn::kTask;
     if (peers >= kMaxPeers) {
+      // Refused unread. Closing with its request still queued would reset the connection, and
+      // the peer would read ECONNRESET instead of the answer: shut our side first (a later send
+      // gets EPIPE) and drop what came before (bounded by the socket's buffer).
+      ::shutdown(fd, SHUT_RD);
+      for (;;) {
+        alignas(8) char buf[shm::kWireMaxMessage];
+        int fds[2], nfds;
+        const long n = shm::recv_msg(fd, buf, fds, &nfds, MSG_DONTWAIT, close_elsewhere);
+        close_elsewhere(fds, size_t(nfds));
+        if (n <= 0) break;
+      }
       auto r = shm::make_msg<shm::AttachReplyMsg>(shm::MsgType::kAttachReply);
       r.status = BB_E_FULL;
       std::snprintf(r.error, sizeof r.error, "the hub has %zu connections that hold no task slot "

@@ -16,12 +16,15 @@ def gone(pid):
         return True
 
 
-def test_agent_killed_and_restarted_keeps_everything(env):
+def test_agent_killed_and_restarted_keeps_everything(env, tmp_path):
     env.trainer("j", 0)
     env.start_agent("--stop-timeout-ms", "1000")
     done = env.submit("/bin/true")
     env.wait_state(done, "finished")
-    ends_while_down = env.submit("/bin/sh", "-c", "read x < /dev/null; sleep 1.5; exit 5")
+    # Ends only once the gate exists, which is made after the agent is killed.
+    gate = tmp_path / "gate"
+    ends_while_down = env.submit(
+        "/bin/sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.02; done; exit 5")
     long = env.submit(TASK_GOOD, "0")
     victim = env.submit(TASK_GOOD, "0")
     queued = env.submit("/bin/true", opts=("--hub", "nosuch:0"))
@@ -29,9 +32,11 @@ def test_agent_killed_and_restarted_keeps_everything(env):
         env.wait_state(t, "running")
     before = env.tasks()
     env.kill_agent(signal.SIGKILL)
+    assert not gone(before[ends_while_down]["pid"])  # it ends while the agent is down, not before
 
     # While the agent is down: one task ends by itself; another dies and its pid is "reused" by
     # an unrelated process, which the restarted agent must not take for the task.
+    gate.touch()
     wait_until("the short task to end", lambda: gone(before[ends_while_down]["pid"]))
     os.killpg(before[victim]["pid"], signal.SIGKILL)
     wait_until("the victim to die", lambda: gone(before[victim]["pid"]))
