@@ -94,8 +94,8 @@ type TaskInfo struct {
 	NsInBubbles, NsOutside uint64
 }
 
-// Trainer owns the hub of one trainer rank. Begin and End must come from one goroutine at a
-// time; the other methods may be called from any.
+// Trainer owns the hub of one trainer rank. Begin, End, Iteration and SetSchedule must come
+// from one goroutine at a time; the other methods may be called from any.
 type Trainer struct {
 	h C.bb_trainer_h
 	// Calls in flight, and whether Close has begun: Close waits for the calls already inside the

@@ -94,9 +94,10 @@ typedef enum bb_bubble_kind {
  * Trainer side. One hub per trainer rank (GPU), named by (job id, rank).
  *
  * bb_bubble_begin/bb_bubble_end are bounded-time, allocation-free, lock-free and never wait on
- * a side task; the only system call they can make is a futex wake of a sleeping task. Call them
- * from one thread at a time (the training loop's thread). Every other trainer function may be
- * called from any thread.
+ * a side task; the only system call they can make is a futex wake of a sleeping task. Call them,
+ * and bb_trainer_iteration and bb_trainer_set_schedule (which reset what they read), from one
+ * thread at a time (the training loop's thread). Every other trainer function may be called from
+ * any thread.
  */
 typedef struct bb_trainer *bb_trainer_h;
 
@@ -108,7 +109,8 @@ typedef struct bb_trainer_options_t {
                               and the hub service's), power of two 64..65536; default 4096 */
   const char *runtime_dir; /* where hub sockets live; may be NULL: $BUBBLE_RUNTIME_DIR, else
                               $XDG_RUNTIME_DIR/bubble, else /tmp/bubble-<uid> */
-  uint32_t allow_uid;      /* a second uid allowed to attach (UINT32_MAX = only our own uid) */
+  uint32_t allow_uid;      /* a second uid allowed to attach (UINT32_MAX = only our own uid;
+                              root may always attach) */
   uint32_t reserved0_;
 } bb_trainer_options_t;
 
@@ -141,7 +143,8 @@ BB_API bb_status bb_bubble_begin(bb_trainer_h trainer, uint64_t expected_ns, uin
 /* The bubble ends now: every started task is told to pause. A no-op if no bubble is open. */
 BB_API bb_status bb_bubble_end(bb_trainer_h trainer);
 /* Marks the start of a training iteration: the predictor numbers bubbles from here, so the
- * n-th bubble of each iteration is predicted from the n-th bubbles of earlier ones. Optional. */
+ * n-th bubble of each iteration is predicted from the n-th bubbles of earlier ones. Optional.
+ * From the thread that calls bb_bubble_begin/end. */
 BB_API bb_status bb_trainer_iteration(bb_trainer_h trainer);
 
 /* A declared pipeline schedule, so the predictor knows each bubble's length from the first
@@ -170,9 +173,9 @@ typedef enum bb_schedule_bubbles {
 typedef struct bb_schedule_t {
   uint32_t size;
   uint32_t kind;          /* bb_schedule_kind; default 1F1B */
-  uint32_t stages;        /* p >= 1 */
-  uint32_t microbatches;  /* m >= 1 */
-  uint32_t chunks;        /* interleaved only: v >= 2 (m a multiple of p); else 1 */
+  uint32_t stages;        /* p, 1..1024 */
+  uint32_t microbatches;  /* m, 1..65536 (ZB-H1: m >= p) */
+  uint32_t chunks;        /* interleaved only: v, 2..64 (m a multiple of p); else 1 */
   uint32_t stage;         /* this trainer's stage, 0..p-1 */
   /* One micro-batch's forward through a whole stage. fwd_ns = bwd_ns = 0 (with wgrad_ns and
    * comm_ns 0) means "unknown, measure them": the model runs with forward 1 and backward 2
@@ -182,7 +185,8 @@ typedef struct bb_schedule_t {
   uint64_t fwd_ns;
   uint64_t bwd_ns;        /* its backward (ZB-H1: the input-gradient part) */
   uint64_t wgrad_ns;      /* ZB-H1: the weight-gradient part; else 0 */
-  uint64_t comm_ns;       /* point-to-point transfer between stages; may be 0 */
+  uint64_t comm_ns;       /* point-to-point transfer between stages; may be 0. Each time at
+                             most an hour. */
   uint32_t bubbles;       /* bb_schedule_bubbles; default BB_SCHEDULE_BUBBLES_IDLE */
   uint32_t reserved0_;
 } bb_schedule_t;
@@ -289,9 +293,11 @@ typedef struct bb_task_options_t {
                                    at most 1 s */
   const char *runtime_dir;      /* may be NULL: same default as the trainer */
   uint64_t wake_lead_ns;        /* PREDICTIVE: start spinning this long before the predicted
-                                   bubble, and give up spinning as long after it; default 50 us,
-                                   at most 1 s. Sleeps end earlier by how late the task's sleeps
-                                   have been ending (learned; at most 4 x wake_lead_ns more). */
+                                   bubble, and give up spinning as long after it (a window that
+                                   widens up to 8 x wake_lead_ns after bubbles that began later
+                                   than predicted, and narrows back); default 50 us, at most
+                                   1 s. Sleeps end earlier by how late the task's sleeps have
+                                   been ending (learned; at most 4 x wake_lead_ns more). */
 } bb_task_options_t;
 
 #define BB_TASK_OPTIONS_INIT                                                                   \
@@ -303,7 +309,9 @@ BB_API void bb_task_options_init(bb_task_options_t *opts);
  * opts may be NULL. Fails with BB_E_NOT_FOUND when no trainer serves that hub, BB_E_FULL when
  * its slot table is full, BB_E_VERSION when the trainer's libbubble speaks another layout,
  * BB_E_PERMISSION when the trainer cannot watch the calling process (it must be the process that
- * connects, alive, and visible in the trainer's pid namespace). */
+ * connects, alive, and visible in the trainer's pid namespace; BB_E_UNSUPPORTED on a kernel
+ * without pidfd_open), BB_E_TRAINER_GONE when the trainer closed the connection during the
+ * attach, BB_E_TIMEOUT when it did not answer within 5 s. */
 BB_API bb_status bb_task_attach(const char *job_id, uint32_t rank, const char *name,
                                 const bb_task_options_t *opts, bb_task_h *out);
 /* Acks any pending pause, releases the slot and frees the handle. NULL is accepted. */
@@ -426,7 +434,7 @@ typedef struct bb_lend_options_t {
                            or bb_trainer_unlend returns BB_OK;
                            0 (default) = libbubble allocates the range */
   int32_t device;       /* CUDA device ordinal; default 0 */
-  uint32_t max_grants;  /* live grants at most; default 64 */
+  uint32_t max_grants;  /* live grants at most, 1..4096; default 64 */
   uint64_t alignment;   /* grant unit, a power of two; 0 (default) = the backend's own */
   uint32_t auto_grant;  /* 1 (default): grant each attached task with mem_need > 0 that much */
   uint32_t reserved0_;
@@ -463,7 +471,9 @@ BB_API bb_status bb_trainer_lend(bb_trainer_h trainer, const bb_lend_options_t *
 BB_API bb_status bb_trainer_unlend(bb_trainer_h trainer, uint64_t deadline_ns);
 /* Grants bytes (0 = its mem_need) of the lent memory to one task (by bb_task_info_t.id), which
  * must hold no grant; also lifts the hold a revoke put on it. *grant_id (may be NULL) receives
- * the grant's id. BB_E_NOMEM when no free extent is large enough. */
+ * the grant's id. BB_E_NOMEM when no free extent is large enough, BB_E_FULL when max_grants are
+ * live, BB_E_BUSY when the task holds a grant, BB_E_STATE when nothing is lent or it is being
+ * taken back. */
 BB_API bb_status bb_trainer_grant(bb_trainer_h trainer, uint64_t task_id, uint64_t bytes,
                                   uint64_t *grant_id);
 /* Asks a task to give its grant back by deadline_ns (CLOCK_MONOTONIC; 0 = now + 1 s). Returns
