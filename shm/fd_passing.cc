@@ -11,9 +11,6 @@
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
 #endif
-#ifndef SYS_pidfd_getfd
-#define SYS_pidfd_getfd 438
-#endif
 
 namespace bb::shm {
 namespace {
@@ -225,32 +222,6 @@ bb_status pidfd_open_pid(pid_t pid, int* out, std::string* error) {
     return err == ESRCH ? BB_E_NOT_FOUND : BB_E_SYSTEM;
   }
   // pidfd_open returns close-on-exec descriptors already.
-  *out = static_cast<int>(fd);
-  return BB_OK;
-}
-
-bb_status pidfd_get_fd(int pidfd, int target_fd, int* out, std::string* error) {
-  *out = -1;
-  long fd = ::syscall(SYS_pidfd_getfd, pidfd, target_fd, 0);
-  if (fd < 0) {
-    int err = errno;
-    if (err == ENOSYS) {
-      *error = "pidfd_getfd is not available: it needs Linux 5.6 or newer; pass the descriptor "
-               "over the Unix socket instead";
-      return BB_E_UNSUPPORTED;
-    }
-    if (err == EPERM) {
-      *error = "pidfd_getfd was refused: taking a descriptor needs ptrace access to the process "
-               "(same user, and with Yama ptrace_scope=1 an ancestor of it); pass the descriptor "
-               "over the Unix socket instead";
-      return BB_E_PERMISSION;
-    }
-    *error = "pidfd_getfd of descriptor " + std::to_string(target_fd) + " failed: " +
-             errno_text(err) + (err == EBADF ? " (the process has no such descriptor)" : "") +
-             (err == ESRCH ? " (the process has exited)" : "");
-    return err == ESRCH ? BB_E_NOT_FOUND : BB_E_SYSTEM;
-  }
-  // The kernel sets close-on-exec on the new descriptor.
   *out = static_cast<int>(fd);
   return BB_OK;
 }

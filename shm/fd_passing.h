@@ -1,4 +1,4 @@
-// Passing file descriptors between processes: SCM_RIGHTS over a Unix socket, and pidfd_getfd.
+// Passing file descriptors between processes (SCM_RIGHTS over a Unix socket), and pidfds.
 //
 // Grants of the host and cuda-vmm backends are file descriptors; they reach a task as ancillary
 // data on its Unix socket. The peer may be hostile, so receiving is strict: every descriptor
@@ -68,10 +68,5 @@ bool refuse_passed_fds(int sock);
 
 // pidfd_open(pid): a descriptor that names the process (not a recycled pid), close-on-exec.
 bb_status pidfd_open_pid(pid_t pid, int* out, std::string* error);
-
-// pidfd_getfd: a close-on-exec duplicate of descriptor target_fd of the process behind pidfd.
-// Needs ptrace access to it (same user and, under Yama ptrace_scope=1, an ancestor) and
-// Linux 5.6; fails with BB_E_PERMISSION or BB_E_UNSUPPORTED otherwise, saying which.
-bb_status pidfd_get_fd(int pidfd, int target_fd, int* out, std::string* error);
 
 }  // namespace bb::shm

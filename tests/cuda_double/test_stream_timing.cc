@@ -6,6 +6,7 @@
 #include <dlfcn.h>
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <memory>
 #include <string>
@@ -29,6 +30,7 @@ struct Double {
   int (*pending)(void*) = nullptr;
   void (*outstanding)(bbdouble_counts*) = nullptr;
   size_t (*violations)(char*, size_t) = nullptr;
+  size_t (*log)(char*, size_t) = nullptr;
   bb::core::CudaPrimaryContext ctx;
   std::unique_ptr<bb::core::CudaContextScope> scope;
 
@@ -44,11 +46,29 @@ struct Double {
     pending = reinterpret_cast<int (*)(void*)>(dlsym(lib, "bbdouble_stream_pending"));
     outstanding = reinterpret_cast<void (*)(bbdouble_counts*)>(dlsym(lib, "bbdouble_outstanding"));
     violations = reinterpret_cast<size_t (*)(char*, size_t)>(dlsym(lib, "bbdouble_violations"));
+    log = reinterpret_cast<size_t (*)(char*, size_t)>(dlsym(lib, "bbdouble_log"));
+    REQUIRE(bool(log));
     REQUIRE(bool(progress));
     REQUIRE(bool(outstanding));
     // The training thread works with its device's context current, as the CUDA runtime has it.
     REQUIRE(ctx.retain(*drv, 0, &err) == BB_OK);
     scope = std::make_unique<bb::core::CudaContextScope>(*drv, ctx.get());
+  }
+  // How many event queries so far found their mark not reached: the stream watcher's polls.
+  size_t not_ready_queries() const {
+    std::string s(log(nullptr, 0) + 1, '\0');
+    s.resize(std::min(s.size() - 1, log(s.data(), s.size())));
+    size_t n = 0;
+    for (size_t at = 0; (at = s.find("cuEventQuery -> CUDA_ERROR_NOT_READY", at)) !=
+                        std::string::npos; ++at)
+      ++n;
+    return n;
+  }
+  // Returns once the watcher has polled a mark not reached twice more: whatever it makes of
+  // it, it has made by then.
+  bool watcher_polled() const {
+    const size_t from = not_ready_queries();
+    return eventually([&] { return not_ready_queries() >= from + 2; });
   }
   ~Double() {
     scope.reset();
@@ -115,7 +135,7 @@ TEST_CASE("stream_bubble_starts_the_task_when_the_gpu_reaches_it_not_when_the_ho
                                       &mark) == BB_OK);
     CHECK(mark == 0);
     // The host is past the call; the GPU is not there yet: no bubble, no start.
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    REQUIRE(dbl.watcher_polled());
     CHECK_FALSE(hub.in_bubble());
     CHECK(dbl.pending(kStream) == 1);
 
@@ -125,7 +145,7 @@ TEST_CASE("stream_bubble_starts_the_task_when_the_gpu_reaches_it_not_when_the_ho
 
     REQUIRE(bb_bubble_end_on_stream(timing.h, kStream, &mark) == BB_OK);
     CHECK(mark == 1);
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    REQUIRE(dbl.watcher_polled());
     CHECK(hub.in_bubble());  // the GPU is still in the bubble: the task keeps running
     dbl.progress(kStream, -1);
     CHECK(eventually([&] { return !hub.in_bubble(); }));

@@ -1,5 +1,6 @@
 """Only clients of the agent's own uid get in (unless allowed); the socket is created 0600."""
 import os
+import select
 import stat
 import struct
 import subprocess
@@ -137,6 +138,8 @@ def test_an_allowed_uid_cannot_take_every_connection_from_the_owner(rooted):
                               frame.hex()], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              text=True)
     try:
+        ready, _, _ = select.select([guest.stdout], [], [], 60)
+        assert ready, "the guest printed nothing within 60 s"
         served, capped, *replies = guest.stdout.readline().split()
         assert (int(served), int(capped)) == (32, 28)
         # Every one served was answered as a client: a hello reply, the same for each.
@@ -149,7 +152,11 @@ def test_an_allowed_uid_cannot_take_every_connection_from_the_owner(rooted):
         assert env.status()["agent_pid"] == env.agent.pid
     finally:
         guest.stdin.close()
-        guest.wait(timeout=30)
+        try:
+            guest.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            guest.kill()
+            guest.wait()
     # And the guest gets in again once its connections are gone.
     r = env.ctl("list", check=False, prefix=AS_NOBODY)
     assert r.returncode == 0, r.stderr

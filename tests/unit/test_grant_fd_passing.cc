@@ -1,9 +1,11 @@
-// Descriptor passing: SCM_RIGHTS with strict receiving, and pidfd_getfd.
+// Descriptor passing: SCM_RIGHTS with strict receiving, and pidfd_open.
 #include <doctest/doctest.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -158,42 +160,36 @@ TEST_CASE("recv_fds reports a closed peer as an empty message and an empty socke
   CHECK(send_fds(sp.a, &c, 1, nullptr, 0, &err) == BB_E_SYSTEM);  // EPIPE, and no SIGPIPE
 }
 
-TEST_CASE("pidfd_get_fd takes a descriptor out of a child process") {
+TEST_CASE("pidfd_open_pid names a process until it exits, and a pid without one is not found") {
   const int before = count_open_fds();
-  int ready[2];
-  REQUIRE(pipe2(ready, O_CLOEXEC) == 0);
-  int secret = memfd_with("from the child");
-  pid_t pid = fork();
-  REQUIRE(pid >= 0);
-  if (pid == 0) {
-    // Hold the descriptor open until killed.
-    char c = 1;
-    (void)!write(ready[1], &c, 1);
-    for (;;) pause();
-  }
-  close(secret);  // the parent's copy: what comes back must be the child's
-  char c;
-  REQUIRE(read(ready[0], &c, 1) == 1);
-  std::string err;
-  int pidfd = -1, got = -1;
-  bb_status st = bb::shm::pidfd_open_pid(pid, &pidfd, &err);
-  CHECK(st == BB_OK);
-  if (st == BB_OK) {
-    st = bb::shm::pidfd_get_fd(pidfd, secret, &got, &err);
-    CHECK_MESSAGE(st == BB_OK, err);
-    if (st == BB_OK) {
-      CHECK(cloexec(got));
-      CHECK(read_all(got) == "from the child");
-      close(got);
+  struct Kid {  // killed and reaped whatever the test does
+    pid_t pid = -1;
+    ~Kid() {
+      if (pid > 0) {
+        kill(pid, SIGKILL);
+        waitpid(pid, nullptr, 0);
+      }
     }
-    CHECK(bb::shm::pidfd_get_fd(pidfd, 999, &got, &err) == BB_E_SYSTEM);
-    CHECK(err.find("no such descriptor") != std::string::npos);
-    close(pidfd);
-  }
-  kill(pid, SIGKILL);
-  waitpid(pid, nullptr, 0);
-  close(ready[0]);
-  close(ready[1]);
+  } kid;
+  kid.pid = fork();
+  REQUIRE(kid.pid >= 0);
+  if (kid.pid == 0)
+    for (;;) pause();
+  std::string err;
+  int pidfd = -1;
+  REQUIRE(bb::shm::pidfd_open_pid(kid.pid, &pidfd, &err) == BB_OK);
+  CHECK(cloexec(pidfd));
+  pollfd p{pidfd, POLLIN, 0};
+  CHECK(poll(&p, 1, 0) == 0);  // alive: not readable
+  kill(kid.pid, SIGKILL);
+  CHECK(poll(&p, 1, 10000) == 1);  // readable once it has exited, reaped or not
+  close(pidfd);
+  // Above any pid_max the kernel allows (2^22): no process has it.
+  CHECK(bb::shm::pidfd_open_pid(0x3fffffff, &pidfd, &err) == BB_E_NOT_FOUND);
+  CHECK(pidfd == -1);
+  CHECK(!err.empty());
+  waitpid(kid.pid, nullptr, 0);
+  kid.pid = -1;
   CHECK(count_open_fds() == before);
 }
 
