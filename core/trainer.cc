@@ -790,7 +790,7 @@ void Trainer::accept_all() {
         int fds[2], nfds;
         const long n = shm::recv_msg(fd, buf, fds, &nfds, MSG_DONTWAIT, close_elsewhere);
         close_elsewhere(fds, size_t(nfds));
-        if (n <= 0) break;
+        if (n <= 0 && n != -EMSGSIZE) break;  // a message out of bounds was consumed too
       }
       auto r = shm::make_msg<shm::AttachReplyMsg>(shm::MsgType::kAttachReply);
       r.status = BB_E_FULL;
