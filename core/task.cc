@@ -313,9 +313,6 @@ bb_status Task::ack_pause() {
     const bool yielded = ctl_->run_epoch.load(std::memory_order_acquire) == epoch_;
     ack(epoch_, yielded);
     epoch_ = 0;
-    // The run's START and PAUSE records, off the path of the next start (a task that always
-    // finds its next start waiting would otherwise never make room in the ring).
-    if (const bb_status cs = drain_commands(); cs != BB_OK) return cs;
   }
   // Paused means the task no longer touches its grant: the moment to give back a revoked one.
   return sync_grant(kUnmap);
@@ -350,8 +347,7 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
         seen_ns = 0;
         continue;
       }
-      shm::Command cmd{};
-      cmd.type = uint32_t(shm::CommandType::kStart);
+      Start cmd;
       cmd.epoch = given;
       cmd.kind = ctl_->start_kind.load(std::memory_order_relaxed);
       cmd.bubble_seq = ctl_->start_seq.load(std::memory_order_relaxed);
@@ -399,7 +395,6 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
       }
       return BB_OK;
     }
-    if (const bb_status cs = drain_commands(); cs != BB_OK) return cs;
     if (stopped_ || ctl_->stop.load(std::memory_order_acquire)) {
       stopped_ = true;
       return fail(BB_E_STOPPED, "the task was told to stop: finish and detach");
@@ -427,21 +422,6 @@ void Task::stamp_started(uint32_t epoch, uint64_t seen_ns) {
   const uint64_t now = seen_ns >= begin && seen_ns != 0 ? seen_ns : now_ns();
   started_report_ = shm::Report{uint16_t(shm::ReportType::kStarted), 1, epoch, now,
                                 now > begin ? now - begin : 0, 0};
-}
-
-bb_status Task::drain_commands() {
-  // Starts are taken from the slot's start block; the ring's records only need room made, and a
-  // STOP among them ends the task. Nothing here is on the path from a start to running.
-  shm::Command cmd;
-  for (;;) {
-    const shm::RingStatus rs = shm::ring_pop(ctl_->commands, page_->cmd_head, &cmd);
-    if (rs == shm::RingStatus::kEmpty) return BB_OK;
-    if (rs == shm::RingStatus::kCorrupt) {
-      release();
-      return fail(BB_E_CORRUPT, "the command channel from the trainer failed validation");
-    }
-    if (cmd.type == uint32_t(shm::CommandType::kStop)) stopped_ = true;
-  }
 }
 
 bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,

@@ -55,7 +55,6 @@ class Task {
   // Waits for the doorbell to move from `bell`; *seen_ns is when it saw it move, from a clock
   // read the wait made anyway (0 when it did not see it, or has no such read).
   bb_status wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until, uint64_t* seen_ns);
-  bb_status drain_commands();  // the command ring's records, between runs
   // Keeps the STARTED report of run `epoch` (its block is the slot's current start) for the
   // next report; seen_ns as wait_for_doorbell gave it.
   void stamp_started(uint32_t epoch, uint64_t seen_ns);
@@ -85,7 +84,17 @@ class Task {
   uint32_t slot_ = 0;
 
   uint32_t epoch_ = 0;          // the epoch we run in; 0 = not running
-  shm::Command current_{};      // the START we run under
+  // The start we run under, as the slot's start block gave it.
+  struct Start {
+    uint32_t epoch = 0;
+    uint32_t kind = 0;
+    uint64_t bubble_seq = 0;
+    uint64_t begin_ns = 0;
+    uint64_t deadline_ns = 0;
+    uint64_t free_mem = 0;
+    uint64_t grant_id = 0;
+  };
+  Start current_{};
   uint64_t report_cached_head_ = 0;
   // Steps that found the report ring full, merged into one report sent when room appears, so
   // a task with many short steps loses no time from the statistics.

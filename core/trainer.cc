@@ -47,8 +47,6 @@ struct Trainer::Slot {
   uint32_t generation = 0;
   // Bubble thread only (reset by the service thread before kActive).
   uint32_t epoch = 0;           // last run epoch given to the task
-  uint64_t cmd_cached_head = 0;
-  bool bad = false;
   // Service thread only.
   shm::Mapping page_map;
   shm::Fd page_fd;
@@ -295,8 +293,9 @@ void Trainer::refresh_slots() {
       s.released.store(1, std::memory_order_release);
       continue;
     }
-    // Only a slot published as active has fields the service thread no longer writes.
-    const bool active = st == SlotState::kActive && !s.bad &&
+    // Only a slot published as active has fields the service thread no longer writes. One it
+    // marked bad or asked to stop is started no more.
+    const bool active = st == SlotState::kActive && c->bad.load(std::memory_order_relaxed) == 0 &&
                         c->stop.load(std::memory_order_relaxed) == 0;
     if (st == SlotState::kActive) cands_[i] = s.cand;
     cands_[i].active = active;
@@ -305,31 +304,14 @@ void Trainer::refresh_slots() {
   pick_index_.build(cands_, span_);
 }
 
-void Trainer::mark_bad(uint32_t i) {
-  slots_[i].bad = true;
-  cands_[i].active = false;
-  hub_.slot(i)->bad.store(1, std::memory_order_relaxed);
-  hub_.stats()->bad.fetch_add(1, std::memory_order_relaxed);
-}
-
 bool Trainer::task_ready(uint32_t i) {
-  Slot& s = slots_[i];
-  const TaskPage* p = s.page;
-  // The task must have acked the pause of the last start (or never been started) and be able to
-  // take a command. Both words are the task's: a value that makes no sense marks it bad.
-  const uint32_t acked = p->acked_epoch.load(std::memory_order_acquire);
-  if (acked != s.epoch) return false;
+  const Slot& s = slots_[i];
+  // The task must have acked the pause of the last start (or never been started): the word is
+  // the task's, and any other value, sense or not, only keeps it from being started.
+  if (s.page->acked_epoch.load(std::memory_order_acquire) != s.epoch) return false;
   // Once memory is lent, a task that needs some runs only while it holds a grant.
-  if (s.cand.mem_need && lender_.load(std::memory_order_relaxed) &&
-      s.grant_ready.load(std::memory_order_acquire) == 0)
-    return false;
-  const uint64_t head = p->cmd_head.load(std::memory_order_acquire);
-  const uint64_t tail = hub_.slot(i)->commands.tail.load(std::memory_order_relaxed);
-  if (head > tail || tail - head > shm::kCommandRingSize) {
-    mark_bad(i);
-    return false;
-  }
-  return tail - head < shm::kCommandRingSize;
+  return !(s.cand.mem_need && lender_.load(std::memory_order_relaxed) &&
+           s.grant_ready.load(std::memory_order_acquire) == 0);
 }
 
 bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind kind) {
@@ -388,37 +370,17 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
     }
     running_[n_running_++] = i;
   }
-  for (uint32_t k = 0; k < n && k < kWarmLines / 5; ++k) {
+  // The rest no waiting task needs: when each was started (for observers), and the lines the
+  // next end and begin will touch for these tasks.
+  for (uint32_t k = 0; k < n; ++k) {
     const uint32_t i = picked[k];
-    const void** w = warm_ + 5 * k;
+    hub_.slot(i)->started_ns.store(now, std::memory_order_relaxed);
+    if (k >= kWarmLines / 4) continue;
+    const void** w = warm_ + 4 * k;
     w[0] = &slots_[i];
     w[1] = &cands_[i];
     w[2] = &slots_[i].page->acked_epoch;
     w[3] = hub_.slot(i);
-    w[4] = &hub_.slot(i)->commands.tail;
-  }
-  // The rest no waiting task needs. The command ring still carries every command in order (the
-  // task's runtime drains it between runs); the start block is the fast copy of the latest
-  // START, and the ring's indexes are how a task that corrupts its side is caught.
-  for (uint32_t k = 0; k < n; ++k) {
-    const uint32_t i = picked[k];
-    Slot& s = slots_[i];
-    SlotCtl* c = hub_.slot(i);
-    c->started_ns.store(now, std::memory_order_relaxed);
-    shm::Command cmd{};
-    cmd.type = uint32_t(shm::CommandType::kStart);
-    cmd.epoch = s.epoch;
-    cmd.bubble_seq = seq;
-    cmd.begin_ns = now;
-    cmd.deadline_ns = deadline;
-    cmd.free_mem = free_mem;
-    cmd.kind = uint32_t(kind);
-    cmd.grant_id = c->start_grant_id.load(std::memory_order_relaxed);
-    // task_ready() saw room a moment ago: a full ring means the task moved its index backwards.
-    // It was started already; marked bad, it is paused at this bubble's end and never again.
-    if (shm::ring_push(c->commands, s.page->cmd_head, s.cmd_cached_head, cmd) !=
-        shm::RingStatus::kOk)
-      mark_bad(i);
   }
 
   if (!gap_first) observe_gap();
@@ -482,19 +444,7 @@ void Trainer::end_locked(uint64_t now) {
       shm::futex_wake(&c->doorbell, INT_MAX);
       ++wakes;
     }
-    running_[pauses++] = i;  // (k >= pauses: running_ is compacted in place)
-  }
-  // The PAUSE records, once every task has been told: run_epoch already said "pause", so a
-  // full ring only loses the record.
-  const uint64_t seq = b->seq.load(std::memory_order_relaxed);
-  for (uint32_t k = 0; k < pauses; ++k) {
-    const uint32_t i = running_[k];
-    Slot& s = slots_[i];
-    shm::Command cmd{};
-    cmd.type = uint32_t(shm::CommandType::kPause);
-    cmd.epoch = s.epoch;
-    cmd.bubble_seq = seq;
-    (void)shm::ring_push(hub_.slot(i)->commands, s.page->cmd_head, s.cmd_cached_head, cmd);
+    ++pauses;
   }
   n_running_ = 0;
   open_ = false;
@@ -963,7 +913,6 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   ctl->started_ns.store(0, std::memory_order_relaxed);
   ctl->paused_epoch.store(0, std::memory_order_relaxed);
   ctl->given_epoch.store(0, std::memory_order_relaxed);
-  ctl->commands.tail.store(0, std::memory_order_relaxed);
   ctl->steps.store(0, std::memory_order_relaxed);
   ctl->step_ns.store(0, std::memory_order_relaxed);
   ctl->ns_in_bubbles.store(0, std::memory_order_relaxed);
@@ -981,8 +930,6 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   s.cand = Candidate{true, m.priority, m.mem_need, m.min_step_ns};
   s.generation = gen;
   s.epoch = 0;
-  s.cmd_cached_head = 0;
-  s.bad = false;
   s.dropped_seen = 0;
   s.released.store(0, std::memory_order_relaxed);
   s.grant_ready.store(0, std::memory_order_relaxed);
@@ -1089,6 +1036,12 @@ void Trainer::free_released() {
   }
 }
 
+void Trainer::mark_bad(uint32_t i) {
+  hub_.slot(i)->bad.store(1, std::memory_order_relaxed);
+  hub_.stats()->bad.fetch_add(1, std::memory_order_relaxed);
+  publish_change();  // the bubble thread drops it from the candidates at its next call
+}
+
 void Trainer::drain_reports() {
   shm::HubStats* hs = hub_.stats();
   reports_busy_ = false;
@@ -1104,8 +1057,7 @@ void Trainer::drain_reports() {
       if (st == shm::RingStatus::kEmpty) break;
       if (k == shm::kReportRingSize / 2) reports_busy_ = true;
       if (st == shm::RingStatus::kCorrupt) {
-        ctl->bad.store(1, std::memory_order_relaxed);
-        hs->bad.fetch_add(1, std::memory_order_relaxed);
+        mark_bad(i);
         break;
       }
       // Every field is the task's word: keep only what is plausible.

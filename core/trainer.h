@@ -79,6 +79,7 @@ class Trainer {
     if (warm_[0] == nullptr) return;  // no task started yet
     for (const void* line : warm_) __builtin_prefetch(line);
   }
+  // Service thread: the task's page failed validation; it is started no more.
   void mark_bad(uint32_t i);
   // Each thread appends to its own event stream, which keeps an append free of atomic
   // read-modify-writes (shm/layout.h).
@@ -145,10 +146,10 @@ class Trainer {
   shm::BubbleState* bubble_ = nullptr;  // in the hub, cached
   // The lines the last begin touched for the tasks it started, prefetched when the next begin
   // enters: a trainer comes back from its compute with cold caches, and without this the path
-  // to a start is a chain of dependent misses (slot, task page, signal line). Five lines a
-  // task (its Slot, its candidate, its ack line, the slot's signal line, the command ring's
-  // tail) for the first two tasks started.
-  static constexpr uint32_t kWarmLines = 10;
+  // to a start is a chain of dependent misses (slot, task page, signal line). Four lines a
+  // task (its Slot, its candidate, its ack line, the slot's signal line) for the first two
+  // tasks started.
+  static constexpr uint32_t kWarmLines = 8;
   const void* warm_[kWarmLines] = {};
   shm::EventWriter bubble_log_;
   UnitScale unit_scale_;           // a schedule declared without times: ns per model unit

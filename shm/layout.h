@@ -21,10 +21,10 @@ namespace bb::shm {
 constexpr uint64_t kHubMagic = 0x3142554842425542ull;   // "BUBBHUB1" little-endian
 constexpr uint64_t kPageMagic = 0x3147415042425542ull;  // "BUBBPAG1"
 // 2: the event log became one stream per writer; the slot's first line became its signal line.
-constexpr uint32_t kLayoutVersion = 3;
+// 4: the command ring is gone (the signal line carries every start and pause).
+constexpr uint32_t kLayoutVersion = 4;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kNameBytes = 48;  // BB_NAME_MAX + NUL
-constexpr uint32_t kCommandRingSize = 16;
 constexpr uint32_t kReportRingSize = 64;
 
 static_assert(std::atomic<uint64_t>::is_always_lock_free);
@@ -84,25 +84,6 @@ struct alignas(kCacheLine) HubStats {
   std::atomic<uint32_t> closing;      // the trainer is closing the hub
 };
 
-// kRevoke is never queued: the ring has one producer, the bubble thread, and revocations come
-// from the hub service thread through SlotCtl::revoke_id. START names the task's grant in
-// grant_id (0 = none).
-enum class CommandType : uint32_t { kNone = 0, kStart = 1, kPause = 2, kStop = 3, kRevoke = 4 };
-
-struct Command {
-  uint32_t type;       // CommandType
-  uint32_t epoch;      // the run epoch this command belongs to
-  uint64_t bubble_seq;
-  uint64_t begin_ns;
-  uint64_t deadline_ns;
-  uint64_t free_mem;
-  uint32_t kind;
-  uint32_t reserved;
-  uint64_t grant_id;
-  uint64_t arg;
-};
-static_assert(sizeof(Command) == 64);
-
 enum class ReportType : uint32_t {
   kNone = 0, kStarted = 1, kPaused = 2, kStep = 3, kFinished = 4, kFailed = 5
 };
@@ -137,10 +118,9 @@ enum class SlotState : uint32_t { kFree = 0, kActive = 1, kDead = 2 };
 struct alignas(kCacheLine) SlotCtl {
   // The signal line, read by the task on every wait and should_pause. A start is complete on
   // this one cache line: the bubble thread fills the start block, then run_epoch, then rings the
-  // doorbell, so a waiting task learns all of its start from the line it already watches (the
-  // START record in the command ring follows, off the latency path). The trainer rewrites the
-  // block only after the task acked the start it describes, so it is stable while the task
-  // reads it.
+  // doorbell, so a waiting task learns all of its start from the line it already watches, and a
+  // running one its pause (run_epoch). The trainer rewrites the block only after the task acked
+  // the start it describes, so it is stable while the task reads it.
   std::atomic<uint32_t> doorbell;      // futex word: bumped after every start, pause and stop
   std::atomic<uint32_t> run_epoch;     // nonzero while the task may run; the task compares
   std::atomic<uint32_t> given_epoch;   // the epoch of the last start: the block describes it
@@ -160,7 +140,7 @@ struct alignas(kCacheLine) SlotCtl {
   std::atomic<uint32_t> state;       // SlotState
   std::atomic<uint32_t> generation;  // bumped on every attach to this slot
   std::atomic<uint32_t> paused_epoch;  // the epoch pause_requested_ns belongs to
-  std::atomic<uint32_t> bad;
+  std::atomic<uint32_t> bad;         // its page failed validation: never started again
   uint32_t reserved1;
   std::atomic<uint64_t> report_head; // consumer index of the task's report ring
   std::atomic<uint64_t> pause_requested_ns;
@@ -176,10 +156,7 @@ struct alignas(kCacheLine) SlotCtl {
   std::atomic<uint64_t> step_ns;
   std::atomic<uint64_t> ns_in_bubbles;
   std::atomic<uint64_t> ns_outside;
-  // Command channel: the trainer produces, the task consumes (its index is TaskPage::cmd_head).
-  RingData<Command, kCommandRingSize> commands;
-  // Memory grant, written by the hub service thread only (never the bubble thread), so REVOKE
-  // does not travel through the command ring, whose single producer is the bubble thread. The
+  // Memory grant, written by the hub service thread only (never the bubble thread). The
   // record is a seqlock: grant_seq is odd while the service writes it. For fd backends the
   // descriptor reaches the task over its connection (GrantFdMsg) before grant_id names it.
   alignas(kCacheLine) std::atomic<uint32_t> grant_seq;
@@ -204,10 +181,8 @@ struct alignas(kCacheLine) TaskPage {
   uint64_t magic;
   uint32_t layout_version;
   uint32_t slot;
-  // The ack line: written when the task acks a run (and drains its commands, which it does then).
+  // The ack line: written when the task acks a run.
   alignas(kCacheLine) std::atomic<uint32_t> acked_epoch;   // last run epoch it acked a pause for
-  uint32_t reserved0;
-  std::atomic<uint64_t> cmd_head;                          // consumer index of commands
   // The sleep line: written only around a futex wait.
   alignas(kCacheLine) std::atomic<uint32_t> sleeping;      // 1 while in (or entering) futex wait
   // Status for observers, written at every start and ack; off the bubble thread's path.

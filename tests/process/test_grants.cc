@@ -916,9 +916,18 @@ TEST_CASE("grant_words_from_a_task_are_believed_only_when_exact") {
   const long n2 = bb::shm::recv_msg(raw.sock, buf, fds, &nfds);
   CHECK(n2 == long(sizeof(bb::shm::GrantFdMsg)));
   for (int f = 0; f < nfds; ++f) close(fds[f]);
-  p->cmd_head.store(1000);  // past the trainer's tail: a lie the trainer catches
+  // Acked (as the page says), it is started again: what the lie below must stop.
+  p->acked_epoch.store(ctl->given_epoch.load());
+  const uint64_t acked_starts = t.stats().starts;
+  REQUIRE(t.bubbles_until([&] { return t.stats().starts > acked_starts; }, 200));
+  // Its report ring claims more than the ring holds: a lie the trainer catches when it drains.
+  p->reports.tail.store(ctl->report_head.load() + 1000);
   REQUIRE(t.bubbles_until([&] { return ctl->revoke_id.load() == gid2; }, 200));
   CHECK(ctl->bad.load() == 1);
+  p->acked_epoch.store(ctl->given_epoch.load());
+  const uint64_t starts = t.stats().starts;
+  for (int k = 0; k < 20; ++k) t.bubble();
+  CHECK(t.stats().starts == starts);  // and, acked or not, it is started no more
   p->grant_released.store(gid2);
   nudge(gid2);
   REQUIRE(eventually([&] { return t.grants().revokes_acked == 2; }));
