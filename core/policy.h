@@ -4,7 +4,7 @@
 // Rules: higher priority first; round-robin among equal priorities (the scan starts after the
 // last task picked); a task is skipped when its memory need exceeds what is left of the bubble's
 // free memory, or when its shortest useful step is longer than the bubble. A caller-supplied
-// `ready` check (is the task waiting for work, can its channel take a command?) is asked only
+// `ready` check (has the task acked its last run, does it hold the grant it needs?) is asked only
 // about the task the rules would pick next, so a bubble with many tasks reads few of them.
 #pragma once
 

@@ -230,16 +230,22 @@ bb_status Task::reattach(uint64_t wait_until) {
   if (reattach_until_ == 0) reattach_until_ = now_ns() + opts_.reattach_timeout_ns;
   for (;;) {
     const bb_status st = connect();
-    if (st == BB_OK || (st != BB_E_NOT_FOUND && st != BB_E_TRAINER_GONE)) {
+    // Not there yet, gone again, or too busy to take us (BB_E_FULL: its slots, or its
+    // connections): tried again until the timeout.
+    if (st == BB_OK || (st != BB_E_NOT_FOUND && st != BB_E_TRAINER_GONE && st != BB_E_FULL)) {
       reattach_until_ = 0;
       return st;
     }
     const uint64_t now = now_ns();
     if (now >= reattach_until_) {
       reattach_until_ = 0;
+      const unsigned long long ms = opts_.reattach_timeout_ns / 1000000;
+      if (st == BB_E_FULL)
+        return fail_msg(BB_E_FULL, "the new trainer of hub " + job_ + "." + std::to_string(rank_) +
+                        " had no room for this task within " + std::to_string(ms) + " ms: " +
+                        last_error());
       return fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u exited and no trainer reopened the "
-                  "hub within %llu ms", job_.c_str(), rank_,
-                  (unsigned long long)(opts_.reattach_timeout_ns / 1000000));
+                  "hub within %llu ms", job_.c_str(), rank_, ms);
     }
     // A wait with a timeout (an idle callback's slice among them) comes back meanwhile.
     if (now >= wait_until)

@@ -102,6 +102,12 @@ namespace {
 
 constexpr uint64_t kHelloTimeoutNs = 2'000'000'000ull;
 constexpr size_t kMaxPeers = 64;  // connections holding no task slot
+// A flood of connections holds the service thread for at most this many accepts a loop (the
+// listening socket stays readable, so the next loop takes the rest) ...
+constexpr int kMaxAcceptsPerLoop = 64;
+// ... and a refused peer's queued requests for at most this many reads: a request is one
+// message, and a peer that queued more gets a reset instead of an answer.
+constexpr int kMaxRefusedReads = 4;
 constexpr uint64_t kServiceTickNs = 10'000'000ull;  // report draining while tasks are attached
 constexpr uint64_t kServiceBusyTickNs = 1'000'000ull;  // ... while a task's reports pile up
 constexpr uint64_t kMaxSaneNs = 3600'000'000'000ull;
@@ -718,7 +724,7 @@ void Trainer::task_message(Conn& c) {
 }
 
 void Trainer::accept_all() {
-  for (;;) {
+  for (int accepted = 0; accepted < kMaxAcceptsPerLoop; ++accepted) {
     int fd = accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) return;
     auto c = std::make_unique<Conn>();
@@ -733,15 +739,17 @@ void Trainer::accept_all() {
     if (peers >= kMaxPeers) {
       // Refused unread. Closing with its request still queued would reset the connection, and
       // the peer would read ECONNRESET instead of the answer: shut our side first (a later send
-      // gets EPIPE) and drop what came before (bounded by the socket's buffer).
+      // gets EPIPE) and drop what came before.
       ::shutdown(fd, SHUT_RD);
-      for (;;) {
+      bool drained = false;
+      for (int k = 0; k < kMaxRefusedReads && !drained; ++k) {
         alignas(8) char buf[shm::kWireMaxMessage];
         int fds[2], nfds;
         const long n = shm::recv_msg(fd, buf, fds, &nfds, MSG_DONTWAIT, close_elsewhere);
         close_elsewhere(fds, size_t(nfds));
-        if (n <= 0 && n != -EMSGSIZE) break;  // a message out of bounds was consumed too
+        drained = n <= 0 && n != -EMSGSIZE;  // a message out of bounds was consumed too
       }
+      if (!drained) continue;  // more than a request: closed, which the peer reads as a reset
       auto r = shm::make_msg<shm::AttachReplyMsg>(shm::MsgType::kAttachReply);
       r.status = BB_E_FULL;
       std::snprintf(r.error, sizeof r.error, "the hub has %zu connections that hold no task slot "
@@ -1078,7 +1086,7 @@ void Trainer::drain_reports() {
           log_service(shm::EventKind::kTaskPause, i, rep.ts_ns, rep.epoch, rep.a);
           break;
         case shm::ReportType::kStep: {
-          if (rep.b > rep.a || rep.count == 0) continue;
+          if (rep.b > rep.a || rep.a > rep.ts_ns || rep.count == 0) continue;
           hs->steps.fetch_add(rep.count, std::memory_order_relaxed);
           hs->ns_in_bubbles.fetch_add(rep.a - rep.b, std::memory_order_relaxed);
           hs->ns_outside.fetch_add(rep.b, std::memory_order_relaxed);

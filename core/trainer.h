@@ -79,8 +79,6 @@ class Trainer {
     if (warm_[0] == nullptr) return;  // no task started yet
     for (const void* line : warm_) __builtin_prefetch(line);
   }
-  // Service thread: the task's page failed validation; it is started no more.
-  void mark_bad(uint32_t i);
   // Each thread appends to its own event stream, which keeps an append free of atomic
   // read-modify-writes (shm/layout.h).
   void log_bubble(shm::EventKind kind, uint64_t ts_ns, uint64_t a, uint64_t b) {
@@ -91,6 +89,7 @@ class Trainer {
   }
 
   // Service thread.
+  void mark_bad(uint32_t i);  // its page failed validation: it is started no more
   void serve();
   void accept_all();
   void handle_hello(Conn& c);

@@ -201,3 +201,40 @@ TEST_CASE("descriptors_sent_to_a_hub_are_refused") {
   bb_trainer_close(t);
   CHECK(dir.files().empty());
 }
+
+// A report's every field is the task's: a step that claims to have begun before the clock's
+// zero (its duration longer than its end time) is dropped, not counted or logged with a
+// time that wrapped around. A plausible one beside it is counted.
+TEST_CASE("a_step_report_that_began_before_time_began_is_dropped") {
+  RuntimeDir dir;
+  bb_trainer_h t = nullptr;
+  REQUIRE(bb_trainer_open("steps", 0, nullptr, &t) == BB_OK);
+  std::string sock;
+  REQUIRE(bb::core::hub_paths(dir.path(), "steps", 0, &sock, nullptr) == BB_OK);
+  {
+    bbtest::RawAttach raw;
+    REQUIRE(bbtest::raw_attach(sock, "liar", &raw));
+    std::string err;
+    bb::shm::Mapping hub = bb::shm::map_segment(
+        raw.hub_fd, size_t(bb::shm::segment_size(raw.hub_fd)), false, &err);
+    REQUIRE(hub);
+    const bb::shm::SlotCtl* ctl = bb::shm::HubView{hub.data()}.slot(raw.reply.slot);
+    bb::shm::Mapping page = bb::shm::map_segment(raw.page_fd, bb::shm::kTaskPageSize, true, &err);
+    REQUIRE(page);
+    auto* p = reinterpret_cast<bb::shm::TaskPage*>(page.data());
+    uint64_t cached_head = 0;
+    auto push_step = [&](uint64_t ts_ns, uint64_t ns) {
+      const bb::shm::Report r{uint16_t(bb::shm::ReportType::kStep), 1, 0, ts_ns, ns, 0};
+      REQUIRE(bb::shm::ring_push(p->reports, ctl->report_head, cached_head, r) ==
+              bb::shm::RingStatus::kOk);
+      const uint64_t tail = p->reports.tail.load();
+      REQUIRE(bbtest::eventually([&] { return ctl->report_head.load() == tail; }));  // drained
+    };
+    push_step(1000, 5000);  // "ended 1 us after the clock's zero, after a 5 us step"
+    CHECK(ctl->steps.load() == 0);
+    push_step(bb_now_ns(), 5000);
+    CHECK(ctl->steps.load() == 1);
+    CHECK(ctl->step_ns.load() == 5000);
+  }
+  bb_trainer_close(t);
+}

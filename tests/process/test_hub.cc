@@ -272,6 +272,63 @@ TEST_CASE("trainer_killed_task_waits_reattaches_to_a_new_trainer_and_gives_up_wh
   CHECK(bbtest::eventually([&] { return dir.files().empty(); }));
 }
 
+// A task waiting for its trainer to come back finds the new one full (its one slot taken): it
+// keeps trying until its timeout rather than giving up at the first refusal, and attaches once
+// the slot is free.
+TEST_CASE("a_waiting_task_that_finds_the_new_trainer_full_tries_again") {
+  RuntimeDir dir;
+  bb_trainer_options_t o;
+  bb_trainer_options_init(&o);
+  o.max_slots = 1;
+  bb_trainer_h first = nullptr;
+  REQUIRE(bb_trainer_open("full", 0, &o, &first) == BB_OK);
+  Child task(task_args("full", "patient", "iterative",
+                       {"--step-us", "100", "--wait", "--reattach-ms", "30000"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(eventually([&] {
+    bb_trainer_stats_t s{sizeof s};
+    bb_trainer_stats(first, &s);
+    return s.tasks_attached == 1;
+  }));
+  REQUIRE(bb_trainer_close(first) == BB_OK);
+  // The next trainer, with this process attached in its one slot at once. The waiting task
+  // tries every 50 ms: should it take the slot first, the trainer is opened again.
+  bb_trainer_h second = nullptr;
+  bb_task_h occupant = nullptr;
+  for (int attempt = 0; attempt < 5 && !occupant; ++attempt) {
+    REQUIRE(bb_trainer_open("full", 0, &o, &second) == BB_OK);
+    if (bb_task_attach("full", 0, "occupant", nullptr, &occupant) == BB_OK) break;
+    occupant = nullptr;
+    bb_trainer_close(second);
+    second = nullptr;
+  }
+  REQUIRE(occupant != nullptr);
+  auto attached = [&] {
+    bb_trainer_stats_t s{sizeof s};
+    bb_trainer_stats(second, &s);
+    return s.tasks_attached;
+  };
+  // Refused for as long as the slot is taken (a second: twenty tries), and still waiting: a
+  // task that gave up would have printed its RESULT at once.
+  CHECK(task.wait_line("RESULT", 1000) == "");
+  CHECK(attached() == 1);
+  REQUIRE(bb_task_detach(occupant) == BB_OK);
+  int failed = 0;
+  CHECK(eventually([&] {
+    for (int i = 0; i < 20; ++i) {
+      failed += bb_bubble_begin(second, 1'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) != BB_OK;
+      failed += bb_bubble_end(second) != BB_OK;
+    }
+    bb_trainer_stats_t s{sizeof s};
+    bb_trainer_stats(second, &s);
+    return s.tasks_attached == 1 && s.steps > 0;
+  }, 20000));
+  CHECK(failed == 0);
+  task.signal(SIGKILL);  // it would wait for yet another trainer
+  CHECK(task.wait_exit() != -1);
+  CHECK(bb_trainer_close(second) == BB_OK);
+}
+
 TEST_CASE("second_trainer_for_the_same_hub_is_refused") {
   RuntimeDir dir;
   Trainer t("dup", 3);

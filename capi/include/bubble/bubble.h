@@ -221,7 +221,7 @@ typedef struct bb_trainer_stats_t {
   uint64_t pause_latency_p50_ns, pause_latency_p99_ns; /* bubble end -> task acked pause */
   uint64_t tasks_reclaimed;     /* slots freed after their task detached or died (a slot is
                                    freed at the trainer's next bubble call after that) */
-  uint64_t tasks_bad;           /* tasks marked bad for corrupting their slot */
+  uint64_t tasks_bad;           /* tasks marked bad: their page failed validation */
   uint64_t events_dropped;      /* reports lost to full rings */
 } bb_trainer_stats_t;
 
@@ -244,7 +244,7 @@ typedef struct bb_task_info_t {
   uint64_t steps;
   uint64_t step_ns;
   uint32_t running;       /* 1 while started in the current bubble and not yet paused */
-  uint32_t bad;           /* 1 once the task corrupted its slot; it is never started again */
+  uint32_t bad;           /* 1 once the task's page failed validation; never started again */
   char name[BB_NAME_MAX + 1];
   /* The task's own share of bb_trainer_stats_t's task_ns_in_bubbles and task_ns_outside (from its
    * reports, trailing as those do): a task whose steps keep spilling past bubbles' ends shows
@@ -288,7 +288,8 @@ typedef struct bb_task_options_t {
   uint64_t min_step_ns;         /* shortest useful step; default 0 */
   uint32_t on_trainer_exit;     /* bb_on_trainer_exit; default RETURN */
   uint32_t wake_mode;           /* bb_wake_mode; default PREDICTIVE */
-  uint64_t reattach_timeout_ns; /* with WAIT: give up after this long; default 60 s */
+  uint64_t reattach_timeout_ns; /* with WAIT: give up after this long (a new trainer that is
+                                   full is tried again too); default 60 s */
   uint64_t spin_ns;             /* spin this long before sleeping on a wait; default 20 us,
                                    at most 1 s */
   const char *runtime_dir;      /* may be NULL: same default as the trainer */
@@ -307,7 +308,7 @@ BB_API void bb_task_options_init(bb_task_options_t *opts);
 
 /* Attach to the hub of (job_id, rank) under a name (1..BB_NAME_MAX printable characters).
  * opts may be NULL. Fails with BB_E_NOT_FOUND when no trainer serves that hub, BB_E_FULL when
- * its slot table is full, BB_E_VERSION when the trainer's libbubble speaks another layout,
+ * its slot table is full (or it holds 64 connections that have no slot), BB_E_VERSION when the trainer's libbubble speaks another layout,
  * BB_E_PERMISSION when the trainer cannot watch the calling process (it must be the process that
  * connects, alive, and visible in the trainer's pid namespace; BB_E_UNSUPPORTED on a kernel
  * without pidfd_open), BB_E_TRAINER_GONE when the trainer closed the connection during the
