@@ -207,6 +207,7 @@ bb_status Trainer::init(const char* job_id, uint32_t rank, const bb_trainer_opti
   shm::init_hub(hub_map_.data(), g, job_id, rank);
   hub_.base = hub_map_.data();
   bubble_ = hub_.bubble();
+  slot_ctls_ = hub_.slot(0);
   bubble_->free_mem.store(BB_MEM_UNKNOWN, std::memory_order_relaxed);
   bubble_log_.attach(hub_, shm::EventStream::kBubble);
   service_log_.attach(hub_, shm::EventStream::kService);
@@ -248,7 +249,7 @@ void Trainer::shutdown() {
     // thread), which they also notice.
     hub_.stats()->closing.store(1, std::memory_order_release);
     for (uint32_t i = 0; i < opts_.max_slots; ++i) {
-      SlotCtl* c = hub_.slot(i);
+      SlotCtl* c = slot_ctl(i);
       c->run_epoch.store(0, std::memory_order_release);
       c->doorbell.fetch_add(1, std::memory_order_release);
       shm::futex_wake(&c->doorbell, INT_MAX);
@@ -290,7 +291,7 @@ void Trainer::refresh_slots() {
   for (uint32_t i = 0; i < opts_.max_slots; ++i) {
     Slot& s = slots_[i];
     const auto st = SlotState(s.state.load(std::memory_order_acquire));
-    const SlotCtl* c = hub_.slot(i);
+    const SlotCtl* c = slot_ctl(i);
     if (st == SlotState::kDead && !s.released.load(std::memory_order_relaxed)) {
       cands_[i].active = false;
       // Forget it if it runs in the open bubble: from here on we never touch s.page.
@@ -340,7 +341,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   if (expected_ns == 0) expected_ns = predictor_.predict(kind);
   const uint64_t deadline = expected_ns ? now + expected_ns : 0;
   shm::BubbleState* b = bubble_;
-  const uint64_t seq = b->seq.load(std::memory_order_relaxed) + 1;
+  const uint64_t seq = seq_ + 1;
 
   // Start the tasks first: what follows is bookkeeping no waiting task needs.
   uint32_t picked[BB_MAX_SLOTS_LIMIT];
@@ -351,7 +352,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   for (uint32_t k = 0; k < n; ++k) {
     const uint32_t i = picked[k];
     Slot& s = slots_[i];
-    SlotCtl* c = hub_.slot(i);
+    SlotCtl* c = slot_ctl(i);
     s.epoch = next_epoch(s.epoch);
     // The start block first, then the epoch that makes it current, then the bell: a waiting
     // task reads all three from one cache line.
@@ -380,13 +381,13 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   // next end and begin will touch for these tasks.
   for (uint32_t k = 0; k < n; ++k) {
     const uint32_t i = picked[k];
-    hub_.slot(i)->started_ns.store(now, std::memory_order_relaxed);
+    slot_ctl(i)->started_ns.store(now, std::memory_order_relaxed);
     if (k >= kWarmLines / 4) continue;
     const void** w = warm_ + 4 * k;
     w[0] = &slots_[i];
     w[1] = &cands_[i];
     w[2] = &slots_[i].page->acked_epoch;
-    w[3] = hub_.slot(i);
+    w[3] = slot_ctl(i);
   }
 
   if (!gap_first) observe_gap();
@@ -400,6 +401,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   b->version.store(v + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
   b->seq.store(seq, std::memory_order_relaxed);
+  seq_ = seq;
   b->kind.store(uint32_t(kind), std::memory_order_relaxed);
   b->begin_ns.store(now, std::memory_order_relaxed);
   b->deadline_ns.store(deadline, std::memory_order_relaxed);
@@ -431,7 +433,7 @@ void Trainer::end_locked(uint64_t now) {
   for (uint32_t k = 0; k < n_running_; ++k) {
     const uint32_t i = running_[k];
     Slot& s = slots_[i];
-    SlotCtl* c = hub_.slot(i);
+    SlotCtl* c = slot_ctl(i);
     // refresh_slots() dropped any slot reclaimed since begin, so s.page is still mapped.
     // When the pause was asked goes out before the pause itself: a task that sees run_epoch
     // change then also sees this, and times its pause from it (published after, a task quick
@@ -556,7 +558,7 @@ void Trainer::stats(bb_trainer_stats_t* out) {
 bb_status Trainer::tasks(bb_task_info_t* out, size_t cap, size_t* count) {
   size_t n = 0;
   for (uint32_t i = 0; i < opts_.max_slots; ++i) {
-    const SlotCtl* c = hub_.slot(i);
+    const SlotCtl* c = slot_ctl(i);
     if (SlotState(c->state.load(std::memory_order_acquire)) != SlotState::kActive) continue;
     if (n < cap) {
       bb_task_info_t& t = out[n];
@@ -589,7 +591,7 @@ bb_status Trainer::stop_task(uint64_t task_id) {
   if (slot >= opts_.max_slots)
     return fail(BB_E_NOT_FOUND, "task id %llu names slot %u, but the hub has %u slots: take ids "
                 "from bb_trainer_tasks()", (unsigned long long)task_id, slot, opts_.max_slots);
-  SlotCtl* c = hub_.slot(slot);
+  SlotCtl* c = slot_ctl(slot);
   if (SlotState(c->state.load(std::memory_order_acquire)) != SlotState::kActive ||
       c->generation.load(std::memory_order_relaxed) != gen)
     return fail(BB_E_NOT_FOUND, "task id %llu is not attached (it detached or died)",
@@ -910,7 +912,7 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   }
   s.pidfd = std::move(pidfd);
 
-  SlotCtl* ctl = hub_.slot(i);
+  SlotCtl* ctl = slot_ctl(i);
   const uint32_t gen = ctl->generation.load(std::memory_order_relaxed) + 1;
   ctl->generation.store(gen, std::memory_order_relaxed);
   ctl->run_epoch.store(0, std::memory_order_relaxed);
@@ -1015,7 +1017,7 @@ void Trainer::handle_observer_request(Conn& c) {
 void Trainer::reclaim(uint32_t i, bool died) {
   Slot& s = slots_[i];
   if (s.state.load(std::memory_order_relaxed) != uint32_t(SlotState::kActive)) return;
-  SlotCtl* ctl = hub_.slot(i);
+  SlotCtl* ctl = slot_ctl(i);
   ctl->state.store(uint32_t(SlotState::kDead), std::memory_order_release);
   ctl->run_epoch.store(0, std::memory_order_release);
   s.state.store(uint32_t(SlotState::kDead), std::memory_order_release);
@@ -1038,14 +1040,14 @@ void Trainer::free_released() {
     s.page_map.reset();
     s.page_fd.reset();
     s.pending_free = false;
-    hub_.slot(i)->state.store(uint32_t(SlotState::kFree), std::memory_order_release);
+    slot_ctl(i)->state.store(uint32_t(SlotState::kFree), std::memory_order_release);
     s.state.store(uint32_t(SlotState::kFree), std::memory_order_release);
     hub_.stats()->reclaimed.fetch_add(1, std::memory_order_relaxed);
   }
 }
 
 void Trainer::mark_bad(uint32_t i) {
-  hub_.slot(i)->bad.store(1, std::memory_order_relaxed);
+  slot_ctl(i)->bad.store(1, std::memory_order_relaxed);
   hub_.stats()->bad.fetch_add(1, std::memory_order_relaxed);
   publish_change();  // the bubble thread drops it from the candidates at its next call
 }
@@ -1056,7 +1058,7 @@ void Trainer::drain_reports() {
   for (uint32_t i = 0; i < opts_.max_slots; ++i) {
     Slot& s = slots_[i];
     if (!s.page_map) continue;
-    SlotCtl* ctl = hub_.slot(i);
+    SlotCtl* ctl = slot_ctl(i);
     if (ctl->bad.load(std::memory_order_relaxed)) continue;
     const TaskPage* p = reinterpret_cast<const TaskPage*>(s.page_map.data());
     shm::Report rep;
@@ -1349,7 +1351,7 @@ void Trainer::do_request(Request& r) {
 }
 
 void Trainer::ring_doorbell(uint32_t i) {
-  SlotCtl* c = hub_.slot(i);
+  SlotCtl* c = slot_ctl(i);
   c->grant_change.fetch_add(1, std::memory_order_release);  // G1
   c->doorbell.fetch_add(1, std::memory_order_release);
   shm::futex_wake(&c->doorbell, INT_MAX);
@@ -1376,7 +1378,7 @@ bb_status Trainer::offer_grant(uint32_t i, uint64_t bytes, uint64_t* id, std::st
       return e == EAGAIN ? BB_E_BUSY : BB_E_SYSTEM;
     }
   }
-  write_grant(hub_.slot(i), &g);
+  write_grant(slot_ctl(i), &g);
   s.grant = g.id;
   s.revoking = false;
   s.revoke_deadline_ns = 0;
@@ -1398,7 +1400,7 @@ bb_status Trainer::start_revoke(uint32_t i, uint64_t deadline_ns, std::string* e
   s.revoke_deadline_ns = deadline_ns;
   s.grant_hold = true;
   s.grant_ready.store(0, std::memory_order_release);  // no START names it any more
-  SlotCtl* c = hub_.slot(i);
+  SlotCtl* c = slot_ctl(i);
   c->revoke_deadline_ns.store(deadline_ns, std::memory_order_relaxed);
   c->revoke_id.store(s.grant, std::memory_order_release);
   ring_doorbell(i);
@@ -1427,7 +1429,7 @@ void Trainer::release_grant(uint32_t i, bool dead) {
   std::string err;
   // A failure quarantines the range inside the lender (never reused, counted in its stats).
   if (l) (void)l->release(id, &err);
-  SlotCtl* c = hub_.slot(i);
+  SlotCtl* c = slot_ctl(i);
   write_grant(c, nullptr);
   c->revoke_id.store(0, std::memory_order_relaxed);
   c->revoke_deadline_ns.store(0, std::memory_order_relaxed);
@@ -1445,7 +1447,7 @@ void Trainer::kill_task(uint32_t i, uint64_t grant_id) {
   Slot& s = slots_[i];
   if (s.killed || !s.pidfd) return;
   s.killed = true;
-  send_kill(s.pidfd.get(), i, hub_.slot(i)->pid, grant_id);
+  send_kill(s.pidfd.get(), i, slot_ctl(i)->pid, grant_id);
 }
 
 // Returns true when no further attempt is useful (sent, or the process is already gone).
@@ -1489,7 +1491,7 @@ void Trainer::grant_on_reclaim(uint32_t i, bool died) {
   Doomed d;
   d.pidfd = std::move(s.pidfd);
   d.owner = s.task_id;
-  d.pid = hub_.slot(i)->pid;
+  d.pid = slot_ctl(i)->pid;
   d.slot = i;
   d.killed = s.killed;
   d.kill_at_ns = now_ns() + kLeaveGraceNs;
@@ -1541,7 +1543,7 @@ void Trainer::take_back_grants(uint64_t deadline_ns) {
       if (deadline_ns < s.revoke_deadline_ns) {
         s.revoke_deadline_ns = deadline_ns;
         if (GrantLender* l = lender_.load(std::memory_order_acquire)) l->hasten(s.grant, deadline_ns);
-        SlotCtl* c = hub_.slot(i);
+        SlotCtl* c = slot_ctl(i);
         c->revoke_deadline_ns.store(deadline_ns, std::memory_order_relaxed);
         ring_doorbell(i);
       }
@@ -1572,7 +1574,7 @@ void Trainer::grant_tick(uint64_t now) {
     Slot& s = slots_[i];
     if (!s.grant || s.pending_free) continue;
     check_grant_ack(i);
-    if (s.grant && !s.revoking && hub_.slot(i)->bad.load(std::memory_order_relaxed)) {
+    if (s.grant && !s.revoking && slot_ctl(i)->bad.load(std::memory_order_relaxed)) {
       std::string ignored;
       (void)start_revoke(i, now + kBadTaskRevokeNs, &ignored);
     }
@@ -1597,7 +1599,7 @@ void Trainer::grant_tick(uint64_t now) {
     if (s.state.load(std::memory_order_relaxed) != uint32_t(SlotState::kActive) ||
         s.pending_free || s.grant || s.grant_hold || s.cand.mem_need == 0)
       continue;
-    const SlotCtl* c = hub_.slot(i);
+    const SlotCtl* c = slot_ctl(i);
     if (c->bad.load(std::memory_order_relaxed) || c->stop.load(std::memory_order_relaxed))
       continue;
     std::string err;

@@ -142,7 +142,12 @@ class Trainer {
   uint64_t seen_changes_ = 0;
   uint64_t begin_ns_ = 0;
   uint64_t last_end_ns_ = 0;
-  shm::BubbleState* bubble_ = nullptr;  // in the hub, cached
+  // In the hub, cached: the bubble path reaches them without reading the hub's header, and
+  // numbers bubbles without reading the bubble state (which it writes after the signals).
+  shm::BubbleState* bubble_ = nullptr;
+  shm::SlotCtl* slot_ctls_ = nullptr;
+  uint64_t seq_ = 0;  // the last bubble's number, as bubble_->seq; bubble thread only
+  shm::SlotCtl* slot_ctl(uint32_t i) const { return slot_ctls_ + i; }
   // The lines the last begin touched for the tasks it started, prefetched when the next begin
   // enters: a trainer comes back from its compute with cold caches, and without this the path
   // to a start is a chain of dependent misses (slot, task page, signal line). Four lines a
