@@ -212,7 +212,7 @@ bb_status bb_task_attach(const char* job_id, uint32_t rank, const char* name,
   *out = nullptr;
   bb_task_options_t o;
   bb_status st = read_options(opts, bb_task_options_t BB_TASK_OPTIONS_INIT,
-                              sizeof(bb_task_options_t), "bb_task_options_t", &o);
+                              offsetof(bb_task_options_t, wake_lead_ns), "bb_task_options_t", &o);
   if (st != BB_OK) return st;
   BB_GUARD({
     std::unique_ptr<bb::core::Task> t;

@@ -30,29 +30,68 @@ struct HubObserver::Impl {
     shm::Mapping map;
   };
   mutable std::map<uint32_t, Page> pages;
+  // The connection failed or carried something it should not: it is shut down (its descriptor
+  // stays, for whoever polls fd()) and alive() is false.
+  mutable bool broken = false;
+  // Answers owed by the trainer for requests that timed out. The trainer answers in order, so
+  // they come before any later request's: they are read and dropped first, and until they came
+  // no request is sent (a late answer is never taken for a later request's).
+  mutable uint32_t owed = 0;
+  uint32_t timeout_ms = 5000;
+
+  bb_status break_off(bb_status st, std::string* error, const std::string& why) const {
+    shutdown(sock.get(), SHUT_RDWR);
+    broken = true;
+    if (error) *error = why;
+    return st;
+  }
 
   // One request, one reply: the observer's connection carries nothing else.
   bb_status request(shm::MsgType type, uint32_t slot, uint32_t gen, int* fd_out,
                     std::string* error) const {
-    auto q = shm::make_msg<shm::SlotRequestMsg>(type);
-    q.slot = slot;
-    q.generation = gen;
-    if (int e = shm::send_msg(sock.get(), &q, sizeof q, nullptr, 0)) {
-      if (error) *error = std::string("the trainer went away: ") + std::strerror(e);
+    if (broken) {
+      if (error) *error = "the connection to the trainer is closed";
       return BB_E_TRAINER_GONE;
     }
     alignas(8) char buf[shm::kWireMaxMessage];
     int fds[2], nfds;
-    const long n = shm::recv_msg(sock.get(), buf, fds, &nfds);
+    while (owed > 0) {
+      const long late = shm::recv_msg(sock.get(), buf, fds, &nfds, MSG_DONTWAIT);
+      shm::Fd l0(fds[0]), l1(fds[1]);
+      if (late == -EAGAIN || late == -EWOULDBLOCK) {
+        if (error) *error = "the trainer has not yet answered an earlier request: try again later";
+        return BB_E_TIMEOUT;
+      }
+      if (late <= 0)
+        return break_off(BB_E_TRAINER_GONE, error, "the trainer closed the observer connection");
+      --owed;
+    }
+    auto q = shm::make_msg<shm::SlotRequestMsg>(type);
+    q.slot = slot;
+    q.generation = gen;
+    if (int e = shm::send_msg(sock.get(), &q, sizeof q, nullptr, 0))
+      return break_off(BB_E_TRAINER_GONE, error,
+                       std::string("the trainer went away: ") + std::strerror(e));
+    // Waited for with poll, not the socket's receive timeout: whoever watches fd() may have
+    // made the socket non-blocking (libuv's uv_poll does), and a recv would then return at once.
+    pollfd p{sock.get(), POLLIN, 0};
+    int ready;
+    const uint64_t until = now_ns() + uint64_t(timeout_ms) * 1'000'000;
+    do {
+      const uint64_t now = now_ns();
+      ready = poll(&p, 1, now >= until ? 0 : int((until - now + 999'999) / 1'000'000));
+    } while (ready < 0 && errno == EINTR);
+    const long n = ready > 0 ? shm::recv_msg(sock.get(), buf, fds, &nfds, MSG_DONTWAIT) : -EAGAIN;
     shm::Fd f0(fds[0]), f1(fds[1]);
-    if (n <= 0) {
-      if (error) *error = "the trainer closed the observer connection";
-      return BB_E_TRAINER_GONE;
+    if (n == -EAGAIN || n == -EWOULDBLOCK) {
+      ++owed;
+      if (error) *error = "the trainer did not answer in time (busy or stopped?)";
+      return BB_E_TIMEOUT;
     }
-    if (!shm::check_msg(buf, n, shm::MsgType::kReply, sizeof(shm::ReplyMsg))) {
-      if (error) *error = "malformed reply from the trainer";
-      return BB_E_CORRUPT;
-    }
+    if (n <= 0)
+      return break_off(BB_E_TRAINER_GONE, error, "the trainer closed the observer connection");
+    if (!shm::check_msg(buf, n, shm::MsgType::kReply, sizeof(shm::ReplyMsg)))
+      return break_off(BB_E_CORRUPT, error, "malformed reply from the trainer");
     shm::ReplyMsg r;
     std::memcpy(&r, buf, sizeof r);
     r.error[sizeof r.error - 1] = 0;
@@ -76,6 +115,10 @@ struct HubObserver::Impl {
     if (shm::segment_size(fd) != int64_t(shm::kTaskPageSize)) return nullptr;
     shm::Mapping m = shm::map_segment(fd, shm::kTaskPageSize, false, &err);
     if (!m) return nullptr;
+    // The page a task of this slot attached with names the slot (the words are the task's: a
+    // task that lies about them only misreports itself).
+    const auto* tp = reinterpret_cast<const shm::TaskPage*>(m.data());
+    if (tp->magic != shm::kPageMagic || tp->slot != slot) return nullptr;
     Page& p = pages[slot];
     p.generation = gen;
     p.map = std::move(m);
@@ -88,7 +131,7 @@ HubObserver::~HubObserver() = default;
 
 bb_status HubObserver::open(const std::string& runtime_dir, const std::string& job,
                             uint32_t rank, std::unique_ptr<HubObserver>* out,
-                            std::string* error) {
+                            std::string* error, uint32_t timeout_ms) {
   auto set = [&](bb_status st) {
     if (error) *error = last_error();
     return st;
@@ -106,12 +149,21 @@ bb_status HubObserver::open(const std::string& runtime_dir, const std::string& j
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
-  if (!impl->sock ||
-      connect(impl->sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0)
+  if (!impl->sock)
+    return set(fail(BB_E_SYSTEM, "socket() failed: %s", std::strerror(errno)));
+  // Both before the connect: a trainer that stopped accepting (stopped, frozen) fills its
+  // backlog, and a connect to a full backlog waits for as long as the send timeout allows.
+  const uint32_t ms = timeout_ms ? timeout_ms : 1;
+  const timeval tv{time_t(ms / 1000), suseconds_t(ms % 1000) * 1000};
+  setsockopt(impl->sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(impl->sock.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+  if (connect(impl->sock.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK)
+      return set(fail(BB_E_TIMEOUT, "the trainer of hub %s.%u is not accepting connections "
+                      "(its backlog is full: stopped or hung?)", job.c_str(), rank));
     return set(fail(BB_E_NOT_FOUND, "no trainer serves hub %s.%u at %s", job.c_str(), rank,
                     path.c_str()));
-  timeval tv{5, 0};
-  setsockopt(impl->sock.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  }
   auto m = shm::make_msg<shm::AttachObserverMsg>(shm::MsgType::kAttachObserver);
   const int sent = shm::send_msg(impl->sock.get(), &m, sizeof m, nullptr, 0);
   // A trainer that refuses before reading (too many connections) has shut its side: the send
@@ -124,8 +176,8 @@ bb_status HubObserver::open(const std::string& runtime_dir, const std::string& j
   const long n = shm::recv_msg(impl->sock.get(), buf, fds, &nfds);
   shm::Fd hub_fd(fds[0]), extra(fds[1]);
   if (n == -EAGAIN || n == -EWOULDBLOCK)
-    return set(fail(BB_E_TIMEOUT, "the trainer of hub %s.%u did not answer within 5 s",
-                    job.c_str(), rank));
+    return set(fail(BB_E_TIMEOUT, "the trainer of hub %s.%u did not answer within %u ms",
+                    job.c_str(), rank, ms));
   if (n <= 0)
     return set(fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u closed the connection",
                     job.c_str(), rank));
@@ -144,6 +196,7 @@ bb_status HubObserver::open(const std::string& runtime_dir, const std::string& j
   if (!shm::validate_hub(impl->hub_map.data(), uint64_t(size), &err))
     return set(fail_msg(BB_E_VERSION, err));
   impl->hub.base = impl->hub_map.data();
+  impl->timeout_ms = ms;
   impl->job = job;
   impl->rank = rank;
   out->reset(new HubObserver(std::move(impl)));
@@ -290,6 +343,7 @@ size_t HubObserver::read_events(EventCursor* cursor, Event* out, size_t cap,
 }
 
 bool HubObserver::alive() const {
+  if (impl_->broken) return false;
   if (impl_->hub.stats()->closing.load(std::memory_order_acquire)) return false;
   pollfd p{impl_->sock.get(), POLLIN, 0};
   if (poll(&p, 1, 0) <= 0) return true;

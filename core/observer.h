@@ -103,9 +103,13 @@ struct EventCursor {
 class HubObserver {
  public:
   // Connects to the hub of (job, rank). On failure returns the status and sets *error to one
-  // actionable sentence.
+  // actionable sentence. timeout_ms bounds the connect and the wait for each answer (the
+  // open's and every later request's). A request not answered in time returns BB_E_TIMEOUT;
+  // its answer, when it comes, is dropped, and until then further requests return BB_E_TIMEOUT
+  // at once, so no late answer is taken for another request's.
   static bb_status open(const std::string& runtime_dir, const std::string& job, uint32_t rank,
-                        std::unique_ptr<HubObserver>* out, std::string* error);
+                        std::unique_ptr<HubObserver>* out, std::string* error,
+                        uint32_t timeout_ms = 5000);
   ~HubObserver();
   HubObserver(const HubObserver&) = delete;
   HubObserver& operator=(const HubObserver&) = delete;

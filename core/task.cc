@@ -109,7 +109,16 @@ bb_status Task::connect() {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
+  // A trainer that accepts but never answers must not hang the attach; nor one that stopped
+  // accepting (stopped, frozen): its backlog fills, and a connect to a full backlog waits for
+  // as long as the send timeout allows. So both are set before the connect.
+  timeval tv{5, 0};
+  setsockopt(s.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  setsockopt(s.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    if (errno == EAGAIN || errno == EWOULDBLOCK)
+      return fail(BB_E_TIMEOUT, "the trainer of hub %s.%u is not accepting connections (its "
+                  "backlog stayed full for 5 s: is it stopped or hung?)", job_.c_str(), rank_);
     if (errno == ENOENT || errno == ECONNREFUSED)
       return fail(BB_E_NOT_FOUND, "no trainer serves hub %s.%u (%s %s): start the trainer first, "
                   "and give both the same job id, rank and runtime directory", job_.c_str(), rank_,
@@ -127,9 +136,6 @@ bb_status Task::connect() {
       (cred.uid != geteuid() && cred.uid != 0))
     return fail(BB_E_PERMISSION, "hub socket %s is served by uid %u, not by our uid %u: refusing "
                 "to attach", path.c_str(), cred.uid, unsigned(geteuid()));
-  // A trainer that accepts but never answers must not hang the attach.
-  timeval tv{5, 0};
-  setsockopt(s.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
 
   auto m = shm::make_msg<shm::AttachTaskMsg>(shm::MsgType::kAttachTask);
   m.priority = opts_.priority;
@@ -227,7 +233,11 @@ bb_status Task::reattach(uint64_t wait_until) {
   if (opts_.on_trainer_exit != BB_ON_TRAINER_EXIT_WAIT)
     return fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u closed its hub or exited",
                 job_.c_str(), rank_);
-  if (reattach_until_ == 0) reattach_until_ = now_ns() + opts_.reattach_timeout_ns;
+  if (reattach_until_ == 0) {
+    const uint64_t now = now_ns();  // UINT64_MAX (say) waits for good rather than wrapping
+    reattach_until_ = opts_.reattach_timeout_ns > UINT64_MAX - now ? UINT64_MAX
+                                                                   : now + opts_.reattach_timeout_ns;
+  }
   for (;;) {
     const bb_status st = connect();
     // Not there yet, gone again, or too busy to take us (BB_E_FULL: its slots, or its
@@ -675,11 +685,17 @@ bb_status Task::drop_grant() {
   if (grant_id_ == 0) return BB_OK;
   std::string err;
   const uint64_t id = grant_id_;
+  // Not acked, now or ever: the memory may still be mapped, and saying otherwise would let the
+  // trainer hand it to another task. The trainer kills us at the revoke's deadline instead. (A
+  // mapping forgets what it mapped even when the unmap fails, so a second try would "succeed".)
+  if (unmap_failed_ == id)
+    return fail(BB_E_SYSTEM, "grant %llu could not be unmapped: it stays held until the "
+                "trainer's revoke deadline", (unsigned long long)id);
   const bb_status st = mapping_ ? mapping_->unmap(&err) : BB_OK;
-  if (st != BB_OK)
-    // Not acked: the memory may still be mapped, and saying otherwise would let the trainer
-    // hand it to another task. The trainer kills us at the revoke's deadline instead.
+  if (st != BB_OK) {
+    unmap_failed_ = id;
     return fail_msg(st, "cannot unmap grant " + std::to_string(id) + ": " + err);
+  }
   mapping_.reset();
   grant_id_ = 0;
   grant_backend_ = GrantBackend::kNone;

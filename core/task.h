@@ -128,6 +128,7 @@ class Task {
   uint32_t grant_seen_ = 0;
   bool grant_synced_ = false;      // grant_seen_ holds a value read from the slot
   uint64_t grant_refused_ = 0;     // a grant we could not map and gave back: not retried
+  uint64_t unmap_failed_ = 0;      // a grant whose unmap failed: never given back
   // A grant descriptor received ahead of its record (the trainer sends it first).
   shm::Fd pending_fd_;
   uint64_t pending_fd_id_ = 0;

@@ -69,7 +69,7 @@ struct Trainer::Slot {
 // A grant call from another thread, carried out by the service thread (which owns the slots'
 // connections and grant words), so no lock is ever shared with it beyond the queue.
 struct Trainer::Request {
-  enum Op { kGrant, kRevoke, kInfo, kWake, kTakeBack, kUnlend } op = kGrant;
+  enum Op { kGrant, kRevoke, kInfo, kWake, kTakeBack, kUnlend, kStop } op = kGrant;
   uint64_t task_id = 0;
   uint64_t bytes = 0;
   uint64_t deadline_ns = 0;
@@ -108,6 +108,12 @@ constexpr int kMaxAcceptsPerLoop = 64;
 // ... and a refused peer's queued requests for at most this many reads: a request is one
 // message, and a peer that queued more gets a reset instead of an answer.
 constexpr int kMaxRefusedReads = 4;
+// getsockopt(SO_PEERPIDFD), Linux 6.5 and later (older C headers lack the name).
+#ifdef SO_PEERPIDFD
+constexpr int kSoPeerPidfd = SO_PEERPIDFD;
+#else
+constexpr int kSoPeerPidfd = 77;
+#endif
 constexpr uint64_t kServiceTickNs = 10'000'000ull;  // report draining while tasks are attached
 constexpr uint64_t kServiceBusyTickNs = 1'000'000ull;  // ... while a task's reports pile up
 constexpr uint64_t kMaxSaneNs = 3600'000'000'000ull;
@@ -188,8 +194,12 @@ bb_status Trainer::init(const char* job_id, uint32_t rank, const bb_trainer_opti
     if (fstat(lock_fd_.get(), &a) == 0 && stat(lock_path_.c_str(), &b) == 0 &&
         a.st_ino == b.st_ino && a.st_dev == b.st_dev)
       break;
-    if (attempt > 8) return fail(BB_E_BUSY, "hub %s.%u is being opened and closed by another "
-                                 "process concurrently: retry", job_id, rank);
+    if (attempt > 8) {
+      lock_fd_.reset();  // a lock on an inode that is no longer the file: shutdown() must not
+                         // unlink the path, which is another trainer's lock by now
+      return fail(BB_E_BUSY, "hub %s.%u is being opened and closed by another process "
+                  "concurrently: retry", job_id, rank);
+    }
   }
   const std::string pid = std::to_string(getpid());
   if (ftruncate(lock_fd_.get(), 0) != 0 ||
@@ -353,6 +363,10 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
     const uint32_t i = picked[k];
     Slot& s = slots_[i];
     SlotCtl* c = slot_ctl(i);
+    // Read once: the pick saw a grant, but the service thread may have taken it since, and a
+    // task that needs memory runs only with the grant its START names.
+    const uint64_t grant = s.grant_ready.load(std::memory_order_acquire);
+    if (grant == 0 && s.cand.mem_need && lender_.load(std::memory_order_relaxed)) continue;
     s.epoch = next_epoch(s.epoch);
     // The start block first, then the epoch that makes it current, then the bell: a waiting
     // task reads all three from one cache line.
@@ -361,8 +375,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
     c->start_begin_ns.store(now, std::memory_order_relaxed);
     c->start_deadline_ns.store(deadline, std::memory_order_relaxed);
     c->start_free_mem.store(free_mem, std::memory_order_relaxed);
-    c->start_grant_id.store(s.grant_ready.load(std::memory_order_relaxed),
-                            std::memory_order_relaxed);
+    c->start_grant_id.store(grant, std::memory_order_relaxed);
     // run_epoch before given_epoch: a task that sees the new start (given_epoch, acquire) then
     // also sees it running, and does not take it for one whose bubble already ended.
     c->run_epoch.store(s.epoch, std::memory_order_release);
@@ -379,8 +392,9 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   }
   // The rest no waiting task needs: when each was started (for observers), and the lines the
   // next end and begin will touch for these tasks.
-  for (uint32_t k = 0; k < n; ++k) {
-    const uint32_t i = picked[k];
+  const uint32_t started = n_running_;  // the picked, less any whose grant went meanwhile
+  for (uint32_t k = 0; k < started; ++k) {
+    const uint32_t i = running_[k];
     slot_ctl(i)->started_ns.store(now, std::memory_order_relaxed);
     if (k >= kWarmLines / 4) continue;
     const void** w = warm_ + 4 * k;
@@ -409,7 +423,8 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   b->open.store(1, std::memory_order_relaxed);
   b->next_begin_ns.store(deadline && gap ? deadline + gap : 0, std::memory_order_relaxed);
   b->version.store(v + 2, std::memory_order_release);
-  if (n) starts_.store(starts_.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+  if (started)
+    starts_.store(starts_.load(std::memory_order_relaxed) + started, std::memory_order_relaxed);
   if (wakes) wakes_.store(wakes_.load(std::memory_order_relaxed) + wakes, std::memory_order_relaxed);
   log_bubble(shm::EventKind::kBubbleBegin, now, expected_ns, free_mem);
   return BB_OK;
@@ -586,7 +601,17 @@ bb_status Trainer::tasks(bb_task_info_t* out, size_t cap, size_t* count) {
   return BB_OK;
 }
 
+// Any thread: the stop is made on the service thread, which alone frees and reuses slots, so the
+// slot's generation cannot change between its check and the stop (made on a user's thread, a
+// stop could land on the task that attached to the slot meanwhile).
 bb_status Trainer::stop_task(uint64_t task_id) {
+  Request r;
+  r.op = Request::kStop;
+  r.task_id = task_id;
+  return submit(&r);
+}
+
+bb_status Trainer::stop_slot(uint64_t task_id) {
   const uint32_t slot = uint32_t(task_id & 0xffffffffu), gen = uint32_t(task_id >> 32);
   if (slot >= opts_.max_slots)
     return fail(BB_E_NOT_FOUND, "task id %llu names slot %u, but the hub has %u slots: take ids "
@@ -859,11 +884,19 @@ void Trainer::attach_task(Conn& c, const void* raw) {
          (slots_[i].state.load(std::memory_order_relaxed) != uint32_t(SlotState::kFree) ||
           slots_[i].pending_free))
     ++i;
-  if (i == opts_.max_slots)
+  if (i == opts_.max_slots) {
+    uint32_t freeing = 0;
+    for (uint32_t k = 0; k < opts_.max_slots; ++k) freeing += slots_[k].pending_free ? 1 : 0;
+    if (freeing)  // freed by the bubble thread, which may be between bubbles for a while
+      return reject(BB_E_FULL, "hub " + job_ + "." + std::to_string(rank_) + " has no free "
+                    "task slot: " + std::to_string(freeing) + " of its " +
+                    std::to_string(opts_.max_slots) + " are freed at the trainer's next "
+                    "bubble (bb_bubble_begin/end); try again then");
     return reject(BB_E_FULL, "hub " + job_ + "." + std::to_string(rank_) + " has all " +
                                  std::to_string(opts_.max_slots) +
                                  " task slots in use: detach a task, or open the hub with a "
                                  "larger max_slots");
+  }
   // Without a pidfd the process could never be killed for a grant it keeps past its revoke's
   // deadline, nor its death told apart from a closed connection: refuse it. SO_PEERCRED names
   // the process that called connect(), which may have exited since (or live in a pid namespace
@@ -876,7 +909,19 @@ void Trainer::attach_task(Conn& c, const void* raw) {
       return reject(BB_E_PERMISSION, "the connecting process is not visible from the trainer's "
                                      "pid namespace: attach from the trainer's namespace or a "
                                      "parent of it");
-    const bb_status ps = shm::pidfd_open_pid(cred.pid, &fd, &why);
+    // The kernel's own pidfd of the peer (Linux 6.5+) names the process that connected even if
+    // its pid was reused since; pidfd_open of the pid is the fallback on older kernels.
+    socklen_t plen = sizeof fd;
+    bb_status ps = BB_OK;
+    if (getsockopt(c.fd.get(), SOL_SOCKET, kSoPeerPidfd, &fd, &plen) != 0 || fd < 0) {
+      fd = -1;
+      ps = shm::pidfd_open_pid(cred.pid, &fd, &why);
+    } else if (pidfd_dead(fd)) {  // newer kernels give a pidfd of an exited process too
+      close(fd);
+      fd = -1;
+      ps = BB_E_NOT_FOUND;
+      why = "it has exited";
+    }
     if (ps != BB_OK)
       return reject(ps == BB_E_UNSUPPORTED ? ps : BB_E_PERMISSION,
                     "cannot watch the process that connected (" + why +
@@ -1002,7 +1047,7 @@ void Trainer::handle_observer_request(Conn& c) {
   const uint64_t id = uint64_t(q.slot) | uint64_t(q.generation) << 32;
   int fd = -1;
   if (stop) {
-    r.status = stop_task(id);
+    r.status = stop_slot(id);
   } else if (q.slot < opts_.max_slots && slots_[q.slot].generation == q.generation &&
              slots_[q.slot].state.load() == uint32_t(SlotState::kActive) && !slots_[q.slot].pending_free) {
     r.status = BB_OK;
@@ -1270,6 +1315,10 @@ void Trainer::do_request(Request& r) {
     take_back_grants(r.deadline_ns);
     return;
   }
+  if (r.op == Request::kStop) {
+    if (const bb_status st = stop_slot(r.task_id); st != BB_OK) error(st, last_error());
+    return;
+  }
   if (r.op == Request::kUnlend) {
     taking_back_ = false;
     if (!l) return;
@@ -1330,6 +1379,7 @@ void Trainer::do_request(Request& r) {
     case Request::kWake:
     case Request::kTakeBack:
     case Request::kUnlend:
+    case Request::kStop:
       return;
     case Request::kInfo: {
       bb_grant_info_t& o = *r.info;
@@ -1427,6 +1477,8 @@ void Trainer::release_grant(uint32_t i, bool dead) {
   GrantLender* l = lender_.load(std::memory_order_acquire);
   const uint64_t id = s.grant;
   std::string err;
+  // No START names it from here on (before the bytes can go to anybody else).
+  s.grant_ready.store(0, std::memory_order_release);
   // A failure quarantines the range inside the lender (never reused, counted in its stats).
   if (l) (void)l->release(id, &err);
   SlotCtl* c = slot_ctl(i);
@@ -1437,7 +1489,6 @@ void Trainer::release_grant(uint32_t i, bool dead) {
   s.grant = 0;
   s.revoking = false;
   s.revoke_deadline_ns = 0;
-  s.grant_ready.store(0, std::memory_order_release);
   retry_grants_ = true;
   if (dead) released_dead_.fetch_add(1, std::memory_order_relaxed);
   log_service(shm::EventKind::kGrantRelease, i, now_ns(), id, dead ? 1 : 0);
@@ -1452,6 +1503,9 @@ void Trainer::kill_task(uint32_t i, uint64_t grant_id) {
 
 // Returns true when no further attempt is useful (sent, or the process is already gone).
 bool Trainer::send_kill(int pidfd, uint32_t slot, int32_t pid, uint64_t grant_id) {
+  // A task in this very process (attached from one of the application's threads) is never
+  // killed: that would end the trainer. Its grant stays out, as for a holder of another uid.
+  if (pid == getpid()) return true;
   // pidfd, not the pid: the pid may already name another process.
   if (syscall(SYS_pidfd_send_signal, pidfd, SIGKILL, nullptr, 0) == 0) {
     kills_.fetch_add(1, std::memory_order_relaxed);
@@ -1504,8 +1558,8 @@ void Trainer::grant_on_reclaim(uint32_t i, bool died) {
 void Trainer::wait_grants_back() {
   GrantLender* l = lender_.load(std::memory_order_acquire);
   if (!l) return;
-  const LenderStats st = l->stats();
-  if (st.active + st.revoking == 0) return;
+  // Through the service thread even when no grant looks out: one may be in the making in the
+  // loop it is in now (a task just attached), and only taking_back_, set there, stops more.
   // The tasks were told the trainer is closing and let go of their grants as they notice; a
   // revoke with a deadline covers the ones that do not (killed at it, like any revoke). Only
   // then may the lent memory go: a task still mapping it could otherwise reach whatever the
@@ -1581,8 +1635,14 @@ void Trainer::grant_tick(uint64_t now) {
     any_revoking |= s.revoking;
   }
   if (any_revoking) {
-    uint64_t ids[64];
-    const size_t n = std::min<size_t>(l->overdue(now, ids, 64), 64);
+    // Every overdue grant at once: one left out would keep next_grant_deadline() in the past
+    // (a busy service loop) and its holder alive.
+    std::vector<uint64_t> ids(64);
+    size_t n = l->overdue(now, ids.data(), ids.size());
+    if (n > ids.size()) {
+      ids.resize(n);
+      n = std::min(l->overdue(now, ids.data(), ids.size()), ids.size());
+    }
     for (size_t k = 0; k < n; ++k) {
       uint64_t owner = 0;
       if (l->find(ids[k], nullptr, nullptr, &owner) != BB_OK) continue;

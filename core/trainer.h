@@ -67,6 +67,7 @@ class Trainer {
   Trainer() = default;
   bb_status init(const char* job_id, uint32_t rank, const bb_trainer_options_t& opts);
   void shutdown();
+  bb_status stop_slot(uint64_t task_id);  // service thread: the work of stop_task
 
   // Bubble thread helpers.
   void refresh_slots();

@@ -68,6 +68,7 @@ struct Hub {
   std::map<uint64_t, EnforceState> enforce;   // hub task id -> escalation state
   std::map<uint64_t, int64_t> task_rows;      // hub task id -> agent task id
   int open_failures = 0;
+  uint64_t gone_ns = 0;  // when its trainer went away (mono_ns), 0 while alive
 };
 
 // A task process the agent supervises (a child, or re-adopted through a pidfd after a restart).
@@ -104,7 +105,9 @@ class Agent {
   // Tasks whose pidfd could not be opened (say, out of descriptors): tried again each tick.
   void retry_pidfd_watches();
   std::string submit(const TaskSpec& spec, int64_t* id);
-  std::string cancel(int64_t id, std::string* done);
+  // "" and *done, or the reason it cannot be done; *not_found tells an unknown id from a task
+  // that cannot be cancelled now (already ended, or its trainer refused).
+  std::string cancel(int64_t id, std::string* done, bool* not_found);
   std::string drain(const std::string& hub, bool undo, std::string* done);
   std::vector<TaskRow> tasks(bool all) const;
   const TaskRow* task(int64_t id) const;
@@ -122,6 +125,7 @@ class Agent {
 
   // --- hubs.cc
   void scan_hubs();
+  void prune_gone_hubs();
   void on_hub_gone(Hub* hub, const char* why);
   void update_timers();
 
@@ -219,6 +223,10 @@ class Agent {
   // deleted: adoptable() must still know them (pgid -> ended_at, Unix ms).
   std::map<pid_t, int64_t> recent_groups_;
   int retry_round_ = 0;
+  bool earlier_boot_ = false;           // the rows were written before the node restarted
+  bool settling_earlier_boot_ = false;  // settle_dead_tasks is ending those rows
+  bool in_retry_ = false;
+  uint64_t last_placement_ns_ = 0;  // when refresh_all last looked for queued tasks  // on_retry is running: it, not try_open_hub, arms the next round
 };
 
 // A timer allocated with new, initialised on loop, carrying data; freed with close_and_delete.

@@ -547,6 +547,7 @@ int cmd_wait(const std::string& socket, const std::vector<std::string>& args) {
   }
   struct timespec t0;
   clock_gettime(CLOCK_MONOTONIC, &t0);
+  unsigned delay_us = 100000;
   for (;;) {
     {
       Client c(socket);
@@ -569,7 +570,9 @@ int cmd_wait(const std::string& socket, const std::vector<std::string>& args) {
     clock_gettime(CLOCK_MONOTONIC, &now);
     double el = static_cast<double>(now.tv_sec - t0.tv_sec) + (now.tv_nsec - t0.tv_nsec) / 1e9;
     if (timeout >= 0 && el > timeout) die("task #" + std::to_string(id) + " still runs after the timeout", 3);
-    usleep(100000);
+    // Each look is a full list on the agent's loop: back off from 0.1 s to 0.5 s between them.
+    usleep(delay_us);
+    delay_us = std::min(2 * delay_us, 500000u);
   }
 }
 

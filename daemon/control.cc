@@ -390,9 +390,11 @@ void handle(Conn* c, capnp::MessageReader& msg) {
     }
     case proto::Request::CANCEL: {
       std::string done;
-      std::string err = a->cancel(static_cast<int64_t>(req.getCancel()), &done);
+      bool not_found = false;
+      std::string err = a->cancel(static_cast<int64_t>(req.getCancel()), &done, &not_found);
       if (!err.empty()) {
-        send_error(c, id, proto::Error::Code::NOT_FOUND, err, false);
+        send_error(c, id, not_found ? proto::Error::Code::NOT_FOUND : proto::Error::Code::STATE,
+                   err, false);
         return;
       }
       resp.setOk(done);

@@ -33,6 +33,10 @@ void FrameReader::feed(const char* data, size_t len) {
 
 FrameReader::Result FrameReader::next(std::unique_ptr<capnp::MessageReader>* reader,
                                       std::string* error) {
+  // The last frame's reader is done with (valid until this call), and an idle connection should
+  // not hold the memory of the largest frame it ever sent (up to max_ twice over).
+  body_ = nullptr;
+  if (buf_.capacity() > kKeepBytes && buf_.size() <= kKeepBytes) buf_.shrink_to_fit();
   if (buf_.size() < 4) return Result::kNeedMore;
   uint32_t len = 0;
   for (int i = 0; i < 4; ++i) len |= static_cast<uint32_t>(buf_[i]) << (8 * i);

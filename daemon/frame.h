@@ -35,8 +35,11 @@ class FrameReader {
   Result next(std::unique_ptr<capnp::MessageReader>* reader, std::string* error);
   // Bytes buffered that do not yet form a frame (a truncated frame at EOF).
   size_t pending() const { return buf_.size(); }
+  // Memory held for the stream (buffer capacity and the current frame's copy).
+  size_t held_bytes() const { return buf_.capacity() + body_.size() * sizeof(capnp::word); }
 
  private:
+  static constexpr size_t kKeepBytes = 64 * 1024;  // buffer kept between frames, at most
   uint32_t max_;
   std::vector<uint8_t> buf_;
   kj::Array<capnp::word> body_;  // aligned copy of the current frame's body

@@ -12,6 +12,15 @@ namespace bb::daemon {
 
 namespace {
 constexpr size_t kMaxEventsPerHub = 131072;
+// A hub whose trainer went away stays listed (status, metrics, traces of its last events) with
+// the newest of its events, until more than this many such hubs are kept: a long-lived agent
+// sees a new job id with every training run.
+constexpr size_t kMaxEventsPerGoneHub = 8192;
+constexpr size_t kMaxGoneHubs = 16;
+// How long the loop waits for a trainer to accept or answer (the observer's requests are
+// synchronous): a live trainer's service thread answers in microseconds, a stopped or hung one
+// never, and meanwhile the loop serves nobody.
+constexpr uint32_t kTrainerAnswerMs = 1000;
 constexpr int kMaxOpenRetries = 6;
 const uint64_t kRetryDelaysMs[kMaxOpenRetries] = {10, 30, 100, 300, 1000, 3000};
 }  // namespace
@@ -40,11 +49,13 @@ struct HubCallbacks {
     auto* agent = static_cast<Agent*>(t->data);
     std::set<std::string> pending;
     pending.swap(agent->retry_hubs_);
+    agent->in_retry_ = true;
     for (const auto& name : pending) {
       std::string job;
       uint32_t rank;
       if (parse_hub_name(name, &job, &rank)) agent->try_open_hub(job, rank);
     }
+    agent->in_retry_ = false;
     if (!agent->retry_hubs_.empty() && agent->retry_round_ < kMaxOpenRetries) {
       uv_timer_start(t, on_retry, kRetryDelaysMs[agent->retry_round_++], 0);
     } else {
@@ -76,6 +87,7 @@ std::string Agent::start_hub_watch() {
 
 void Agent::scan_hubs() {
   if (closing_) return;
+  prune_gone_hubs();
   for (const core::HubName& h : core::list_hubs(cfg_.runtime_dir)) {
     std::string name = h.job + ":" + std::to_string(h.rank);
     auto it = hubs_.find(name);
@@ -91,14 +103,17 @@ void Agent::try_open_hub(const std::string& job, uint32_t rank) {
   if (it != hubs_.end() && it->second->alive) return;
   std::unique_ptr<core::HubObserver> obs;
   std::string error;
-  bb_status st = core::HubObserver::open(cfg_.runtime_dir, job, rank, &obs, &error);
+  bb_status st =
+      core::HubObserver::open(cfg_.runtime_dir, job, rank, &obs, &error, kTrainerAnswerMs);
   if (st != BB_OK) {
     // The socket may exist a moment before its trainer listens, or be left by a dead trainer
     // (which the next trainer of that name replaces): retry a few times, then wait for the
     // directory to change again.
     if (cfg_.verbose) agent_log("hub %s not ready: %s", name.c_str(), error.c_str());
     retry_hubs_.insert(name);
-    if (retry_timer_ && !uv_is_active(reinterpret_cast<uv_handle_t*>(retry_timer_))) {
+    // Inside on_retry the timer is idle (libuv stops a one-shot timer before its callback):
+    // on_retry itself arms the next round, or the rounds would start over and never end.
+    if (retry_timer_ && !in_retry_ && !uv_is_active(reinterpret_cast<uv_handle_t*>(retry_timer_))) {
       retry_round_ = 0;
       uv_timer_start(retry_timer_, HubCallbacks::on_retry, kRetryDelaysMs[retry_round_++], 0);
     }
@@ -137,11 +152,25 @@ void Agent::close_hub_handles(Hub* hub) {
   hub->obs.reset();
 }
 
+void Agent::prune_gone_hubs() {
+  std::vector<std::pair<uint64_t, std::string>> gone;
+  for (const auto& [name, hub] : hubs_)
+    if (!hub->alive) gone.emplace_back(hub->gone_ns, name);
+  if (gone.size() <= kMaxGoneHubs) return;
+  std::sort(gone.begin(), gone.end());
+  for (size_t k = 0; k + kMaxGoneHubs < gone.size(); ++k) hubs_.erase(gone[k].second);
+}
+
 void Agent::on_hub_gone(Hub* hub, const char* why) {
   if (!hub->alive) return;
   // Take the last events and counters before the view goes away.
   refresh_hub(hub, mono_ns());
   hub->alive = false;
+  hub->gone_ns = mono_ns();
+  if (hub->events.size() > kMaxEventsPerGoneHub) {
+    hub->events.erase(hub->events.begin(), hub->events.end() - kMaxEventsPerGoneHub);
+    hub->events.shrink_to_fit();
+  }
   close_hub_handles(hub);
   agent_log("hub %s gone: %s", hub->name.c_str(), why);
   for (auto& [id, row] : tasks_) {
@@ -176,6 +205,10 @@ void Agent::refresh_all() {
     refresh_hub(hub.get(), now);
   }
   for (Hub* h : gone) on_hub_gone(h, "its trainer closed the hub or exited");
+  // Placement of queued tasks goes with the sampling interval: this tick may be the much
+  // faster enforcement one, and placement looks at every record.
+  if (now - last_placement_ns_ < cfg_.sample_interval_ns) return;
+  last_placement_ns_ = now;
   bool queued = false;
   for (const auto& [id, row] : tasks_) queued |= row.state == "queued";
   if (queued) schedule();
@@ -329,6 +362,10 @@ void Agent::enforce_hub(Hub* hub, uint64_t now) {
              "the trainer found the task's slot corrupt (it wrote outside the protocol)");
       save(row);
     }
+    // A task being stopped has the stop's own escalation (its timer ends in SIGKILL): stopping it
+    // again would only delay that, and "running" would hide the stop from an agent restarted
+    // before it is gone.
+    if (row.state == "stopping") continue;
     Verdict v = enforce_step(cfg_.enforce, &st, moment, {t.pause_requested_ns, t.pause_acked_ns, t.started},
                              now);
     if (v == Verdict::kNone) continue;

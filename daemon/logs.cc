@@ -81,7 +81,10 @@ bool read_log(const std::string& path, int64_t offset, uint32_t max, uint64_t ke
               LogRead* out, std::string* error) {
   const int fd = open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOFOLLOW);
   if (fd < 0) {
-    *error = "no log at " + path + " yet (the task has not been launched)";
+    *error = errno == ENOENT ? "no log at " + path + " yet (the task has not been launched)"
+             : errno == ELOOP ? "the log " + path + " is a symbolic link, which is not followed: "
+                                "remove it (the agent writes its logs there itself)"
+                              : "cannot open the log " + path + ": " + strerror(errno);
     return false;
   }
   struct stat st;

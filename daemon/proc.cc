@@ -6,7 +6,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -48,6 +50,70 @@ bool same_process(pid_t pid, uint64_t start_time) {
   ProcStat st;
   if (!read_proc_stat(pid, &st)) return false;
   return st.start_time == start_time && st.state != 'Z' && st.state != 'X';
+}
+
+namespace {
+
+// True if /proc/<pid>/environ (the environment the process was started with) holds entry.
+bool environ_holds(pid_t pid, const std::string& entry) {
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%d/environ", static_cast<int>(pid));
+  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  std::string env;
+  char buf[4096];
+  ssize_t n;
+  while (env.size() < (1u << 20) && (n = read(fd, buf, sizeof buf)) > 0) env.append(buf, n);
+  close(fd);
+  for (size_t at = 0; at < env.size();) {
+    size_t end = env.find('\0', at);
+    if (end == std::string::npos) end = env.size();
+    if (env.compare(at, end - at, entry) == 0) return true;
+    at = end + 1;
+  }
+  return false;
+}
+
+}  // namespace
+
+int signal_task_group(pid_t pgid, uint64_t since, const std::string& env_entry, int sig) {
+  if (pgid <= 1 || env_entry.empty()) return 0;
+  DIR* d = opendir("/proc");
+  if (!d) return 0;
+  int signalled = 0;
+  while (dirent* e = readdir(d)) {
+    char* end = nullptr;
+    const long pid = strtol(e->d_name, &end, 10);
+    if (pid <= 0 || !end || *end) continue;
+    ProcStat st;
+    if (!read_proc_stat(static_cast<pid_t>(pid), &st) || st.pgid != pgid ||
+        st.start_time < since || st.state == 'Z' || st.state == 'X')
+      continue;
+    const long fd = syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0);
+    if (fd < 0) continue;  // gone meanwhile
+    // The pidfd names one process for good: if the pid still has the start time checked
+    // above, the descriptor is that process.
+    ProcStat again;
+    if (read_proc_stat(static_cast<pid_t>(pid), &again) && again.start_time == st.start_time &&
+        again.pgid == pgid && environ_holds(static_cast<pid_t>(pid), env_entry) &&
+        syscall(SYS_pidfd_send_signal, static_cast<int>(fd), sig, nullptr, 0) == 0)
+      ++signalled;
+    close(static_cast<int>(fd));
+  }
+  closedir(d);
+  return signalled;
+}
+
+std::string boot_id() {
+  FILE* f = fopen("/proc/sys/kernel/random/boot_id", "re");
+  if (!f) return "";
+  char buf[64] = {0};
+  const bool ok = fgets(buf, sizeof buf, f) != nullptr;
+  fclose(f);
+  if (!ok) return "";
+  std::string id = buf;
+  while (!id.empty() && (id.back() == '\n' || id.back() == ' ')) id.pop_back();
+  return id;
 }
 
 bool read_exit_file(const std::string& path, ExitStatus* out) {

@@ -26,6 +26,20 @@ bool read_proc_stat(pid_t pid, ProcStat* out);
 // True if pid names the same live (non-zombie) process that started at start_time.
 bool same_process(pid_t pid, uint64_t start_time);
 
+// Sends sig to every live process of process group pgid that started at or after since (clock
+// ticks since boot) and whose environment holds env_entry ("KEY=value", as the agent gave it to
+// the task): the members a task's group can have. A bare kill(-pgid) is not safe once the
+// group's leader is gone: when its last member exits the number is free, and the kernel may
+// hand it to any new session or job, which started later and so passes the time check but not
+// the environment's. Each member is signalled through a pidfd opened before its identity is
+// checked again, so a pid reused in between is not hit either. A process whose environment
+// cannot be read (not dumpable) is left alone. Returns how many processes were signalled.
+int signal_task_group(pid_t pgid, uint64_t since, const std::string& env_entry, int sig);
+
+// The kernel's id of this boot (/proc/sys/kernel/random/boot_id), "" if unreadable. Pids and
+// start times name processes only within one boot.
+std::string boot_id();
+
 // How a task ended, as the launch wrapper records it next to the logs.
 struct ExitStatus {
   bool known = false;

@@ -479,9 +479,13 @@ void Agent::kill_orphans(const TaskRow& row, bool wrapper_died) {
   // background job, a worker that ignored SIGTERM) would otherwise run on unsupervised, maybe on
   // the GPU of a task placed there next. If the wrapper died without recording a status, it was
   // killed, not its task: the task's direct child has PR_SET_PDEATHSIG, and this takes the rest.
-  // A group id is not reused while the group has members.
-  if (row.origin == "attached" || row.pid <= 0) return;
-  if (kill(-row.pid, SIGKILL) == 0) {
+  // Only processes that started with or after the wrapper, with the task's id in their
+  // environment, are taken for members: once the group is empty its number may name somebody
+  // else's job (after a pid wrap or a reboot). A member that cleared its environment is missed.
+  if (row.origin == "attached" || row.pid <= 0 || row.pid_start == 0) return;
+  if (settling_earlier_boot_) return;  // nothing of that boot runs any more
+  if (signal_task_group(row.pid, row.pid_start, "BUBBLE_TASK_ID=" + std::to_string(row.id),
+                        SIGKILL) > 0) {
     agent_log("task #%lld: %s; killed what was left of its process group",
               static_cast<long long>(row.id),
               wrapper_died ? "its launch wrapper died without a status" : "it ended");
@@ -515,7 +519,11 @@ void Agent::terminate(TaskRow* row, const std::string& why) {
     for (const auto& [hid, rid] : hit->second->task_rows) {
       if (rid != row->id) continue;
       std::string err;
-      if (hit->second->obs->stop_task(hid, &err) == BB_OK) asked = true;
+      if (hit->second->obs->stop_task(hid, &err) == BB_OK)
+        asked = true;
+      else
+        agent_log("task #%lld: its hub could not pass on the stop (%s): SIGTERM instead",
+                  static_cast<long long>(row->id), err.c_str());
     }
   }
   if (!lt) return;
@@ -541,8 +549,9 @@ void Agent::on_stop_timer(LiveTask* lt) {
   }
 }
 
-std::string Agent::cancel(int64_t id, std::string* done) {
+std::string Agent::cancel(int64_t id, std::string* done, bool* not_found) {
   auto it = tasks_.find(id);
+  *not_found = it == tasks_.end();
   if (it == tasks_.end()) {
     return "no task #" + std::to_string(id) + ": see `bubblectl list --all`";
   }
@@ -658,9 +667,14 @@ void Agent::start_pidfd_watch(LiveTask* raw, pid_t pid) {
 void Agent::readopt_tasks() {
   for (TaskRow& row : store_.load_tasks()) tasks_[row.id] = row;
   draining_ = store_.get_meta("draining") == "1";
+  // A pid and a start time name a process within one boot only: after a restart of the node,
+  // every task the rows call running is gone, and their pids may be anybody's now.
+  const std::string boot = boot_id(), last_boot = store_.get_meta("boot_id");
+  earlier_boot_ = !boot.empty() && !last_boot.empty() && boot != last_boot;
+  if (!boot.empty() && boot != last_boot) store_.set_meta("boot_id", boot);
   for (auto& [id, row] : tasks_) {
     if (state_is_final(row.state) || row.state == "queued") continue;
-    bool alive = row.pid > 0 && same_process(row.pid, row.pid_start);
+    bool alive = !earlier_boot_ && row.pid > 0 && same_process(row.pid, row.pid_start);
     if (row.origin == "attached") {
       if (!alive) finish_row(&row, "lost", "ended while the agent was down");
       // Alive: matched again by pid when its hub's snapshot shows it.
@@ -690,6 +704,7 @@ void Agent::readopt_tasks() {
 void Agent::settle_dead_tasks() {
   std::vector<int64_t> dead;
   dead.swap(pending_dead_);
+  settling_earlier_boot_ = earlier_boot_;
   for (int64_t id : dead) {
     auto it = tasks_.find(id);
     if (it == tasks_.end()) continue;
@@ -699,7 +714,9 @@ void Agent::settle_dead_tasks() {
     std::string exit_file = cfg_.state_dir + "/run/" + std::to_string(id) + ".exit";
     if (!read_exit_file(exit_file, &st)) {
       kill_orphans(row, true);
-      finish_row(&row, "lost", "ended while the agent was down, with no exit status recorded");
+      finish_row(&row, "lost", earlier_boot_
+                                   ? "the node restarted while it ran (no exit status recorded)"
+                                   : "ended while the agent was down, with no exit status recorded");
       continue;
     }
     auto lt = std::make_unique<LiveTask>();
@@ -710,6 +727,7 @@ void Agent::settle_dead_tasks() {
     live_[id] = std::move(lt);
     on_task_exit(raw, st);
   }
+  settling_earlier_boot_ = false;
 }
 
 }  // namespace bb::daemon

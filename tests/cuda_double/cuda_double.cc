@@ -782,6 +782,7 @@ CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
   Call c("cuMemUnmap");
   c.arg("size", size);
+  if (c.inject("unmap")) return c.ret(CUDA_ERROR_INVALID_VALUE);
   auto it = st().mappings.find(ptr);
   if (it == st().mappings.end() || it->second.size != size)
     return c.violation(CUDA_ERROR_INVALID_VALUE, "not exactly one mapping");

@@ -117,11 +117,14 @@ class Env:
         return None
 
     def log_tail(self):
+        return "".join(self.log_lines()[-40:])
+
+    def log_lines(self):
         try:
             with open(self.agent_log, errors="replace") as f:
-                return "".join(f.readlines()[-40:])
+                return f.readlines()
         except OSError:
-            return ""
+            return []
 
     # --- teardown
     def dump_logs(self):

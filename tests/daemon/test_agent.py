@@ -3,7 +3,9 @@ and timelines; errors that name the fix."""
 import json
 import os
 import signal
+import socket
 import subprocess
+import time
 
 from conftest import BUBBLECTL, TASK_GOOD, wait_until
 
@@ -90,6 +92,10 @@ def test_cancel_stops_a_running_task_and_drops_a_queued_one(env):
     env.ctl("cancel", str(running))
     t = env.wait_state(running, ("cancelled", "finished", "failed", "killed"))
     assert t["state"] == "cancelled", t
+    # The task was told through its hub (bb_task_run returned BB_E_STOPPED, and it exited 0),
+    # not ended by the SIGTERM that follows a stop the hub could not pass on.
+    assert t["signal"] == 0 and t["exit_code"] == 0, t
+    assert "could not pass on the stop" not in "".join(env.log_lines())
     r = env.ctl("cancel", str(running), check=False)
     assert r.returncode != 0 and "already ended" in r.stderr
 
@@ -264,3 +270,41 @@ def test_log_max_bytes_must_be_at_least_64_kib(env):
                        timeout=10)
     assert r.returncode != 0
     assert "--log-max-bytes 100 must be a whole number of bytes from 65536" in r.stderr
+
+
+def test_a_stale_hub_socket_is_tried_a_few_times_then_left_alone(env):
+    """A trainer killed with SIGKILL leaves its socket behind. The agent tries it a few times
+    (the socket may be a moment early) and then waits for the directory to change, rather than
+    connecting to it forever."""
+    os.makedirs(env.runtime, mode=0o700, exist_ok=True)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stale.bind(os.path.join(env.runtime, "gone.0.sock"))
+    stale.close()  # the file stays; nobody listens on it
+    env.start_agent("--verbose")
+
+    def attempts():
+        return sum("hub gone:0 not ready" in line for line in env.log_lines())
+    # The retries span about 4.5 s (10 ms doubling to 3 s): the first is seen at once.
+    wait_until("a first attempt at the stale hub", lambda: attempts() >= 1)
+    time.sleep(6)
+    settled = attempts()
+    assert settled <= 8, f"{settled} attempts at a socket nobody listens on"
+    time.sleep(2)
+    assert attempts() == settled, "the agent goes on connecting to a stale socket"
+    assert env.agent.poll() is None and env.ctl_ok("status")
+
+
+def test_hubs_whose_trainers_went_away_are_kept_only_up_to_a_bound(env):
+    """Every training run may bring a new job id: the agent keeps the newest hubs whose trainers
+    went away (listed, with their last events), not all of them for good."""
+    env.start_agent()
+    for i in range(20):
+        p = env.trainer(f"run{i}", 0, duration=60)
+        wait_until(f"hub run{i}:0 seen", lambda: (h := env.hub(f"run{i}:0")) and h["alive"])
+        p.kill()
+        p.wait()
+        wait_until(f"hub run{i}:0 gone", lambda: not env.hub(f"run{i}:0")["alive"])
+    names = {h["name"] for h in env.status()["hubs"]}
+    assert len(names) <= 17, sorted(names)  # at most 16 gone ones, pruned as the next appears
+    assert "run19:0" in names and "run18:0" in names  # the newest are kept
+    assert "run0:0" not in names

@@ -47,3 +47,27 @@ def test_hostile_task_is_marked_bad_and_the_trainer_goes_on(env):
     wait_until("bubbles go on", lambda: env.hub("j:0")["bubbles"] > before)
     evil.wait(timeout=30)
     assert evil.returncode == -signal.SIGSEGV  # its write into the trainer's pages faulted
+
+
+def test_a_task_being_cancelled_is_not_stopped_again_nor_shown_running(env):
+    """Cancelling a task that enforcement stopped continues it so it can stop. Until it is gone
+    it is "stopping": enforcement neither stops it again (which would only delay the stop) nor
+    marks it running (an agent restarted meanwhile would then forget the cancel)."""
+    env.trainer("j", 0)
+    env.start_agent("--grace-ms", "20", "--kill-after", "1000", "--stop-timeout-ms", "8000")
+    tid = env.submit(TASK_ROGUE)
+    env.wait_state(tid, "stopped")
+    env.ctl("cancel", str(tid))
+    assert env.task(tid)["state"] == "stopping", (env.task(tid), env.ctl("actions").stdout)
+    before = env.hub("j:0")["bubbles"]
+    # Bubbles pass: each would have continued it (and found it not pausing, stopped it again).
+    wait_until("three more bubbles", lambda: env.hub("j:0")["bubbles"] >= before + 3)
+    assert env.task(tid)["state"] == "stopping"
+    acts = [line.split() for line in env.ctl("actions").stdout.splitlines()[1:]]
+    kinds = [a[4] for a in acts if a[1] == str(tid)]
+    assert "cancel" in kinds, kinds
+    after = kinds[kinds.index("cancel") + 1:]
+    # The cancel's own continue, and nothing from enforcement after it.
+    assert "stop" not in after and after.count("continue") <= 1, kinds
+    t = env.wait_state(tid, ("cancelled", "failed", "killed", "finished"))
+    assert t["state"] == "cancelled", t

@@ -220,3 +220,19 @@ def test_a_client_that_never_reads_its_replies_is_closed(env):
     wait_until("the agent to say why it hung up", lambda: "unread" in env.log_tail())
     assert env.agent.poll() is None, "the agent died"
     assert env.ctl_ok("status")
+
+
+def test_a_cancel_that_cannot_be_done_says_whether_the_task_is_unknown_or_ended(agent):
+    agent.trainer("j", 0)
+    tid = agent.submit("/bin/true")
+    agent.wait_state(tid, "finished")
+    s = connect(agent)
+    s.sendall(frame(encode(HELLO)))
+    read_frame(s)
+    s.sendall(frame(encode(f"(id = 2, cancel = {tid})")))
+    text = decode(read_frame(s))
+    assert "code = state" in text and "already ended" in text, text
+    s.sendall(frame(encode("(id = 3, cancel = 99999)")))
+    text = decode(read_frame(s))
+    assert "code = notFound" in text and "no task #99999" in text, text
+    s.close()

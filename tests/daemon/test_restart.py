@@ -40,9 +40,12 @@ def test_agent_killed_and_restarted_keeps_everything(env, tmp_path):
     wait_until("the short task to end", lambda: gone(before[ends_while_down]["pid"]))
     os.killpg(before[victim]["pid"], signal.SIGKILL)
     wait_until("the victim to die", lambda: gone(before[victim]["pid"]))
-    stranger = subprocess.Popen(["sleep", "120"])
+    # The stranger leads a process group of its own, numbered like the dead task's group was.
+    stranger = subprocess.Popen(["sleep", "120"], start_new_session=True)
     try:
         db = sqlite3.connect(os.path.join(env.state, "bubbled.db"))
+        # The row keeps the task's start time: the stranger is not the task, and its group,
+        # which started later, is not the task's either (it lacks the task's environment).
         db.execute("UPDATE tasks SET pid = ? WHERE id = ?", (stranger.pid, victim))
         db.commit()
         db.close()
@@ -147,3 +150,30 @@ def test_keep_ended_must_be_a_positive_count(env):
     r = subprocess.run([BUBBLED, "--keep-ended", "0"], capture_output=True, text=True, timeout=10)
     assert r.returncode != 0
     assert "--keep-ended 0 must be a whole number from 1 to 100000000" in r.stderr
+
+
+def test_rows_from_before_a_restart_of_the_node_are_ended_without_touching_their_pids(env):
+    """A pid and a start time name a process within one boot only. Rows written before the node
+    restarted are ended as lost, and nothing is signalled or adopted by their pids (which may be
+    anybody's by then). The restart is simulated: the record of the boot is changed while the
+    agent is down, and the task, still alive here, stands for a process that reuses its pid."""
+    env.trainer("j", 0)
+    env.start_agent()
+    tid = env.submit(TASK_GOOD, "0")
+    pid = env.wait_state(tid, "running")["pid"]
+    env.kill_agent(signal.SIGKILL)
+    db = sqlite3.connect(os.path.join(env.state, "bubbled.db"))
+    assert db.execute("SELECT value FROM meta WHERE key = 'boot_id'").fetchone()
+    db.execute("UPDATE meta SET value = 'an-earlier-boot' WHERE key = 'boot_id'")
+    db.commit()
+    db.close()
+    env.start_agent()
+    t = env.task(tid)
+    assert t["state"] == "lost" and "node restarted" in t["message"], t
+    assert not gone(pid), "the agent signalled a pid of an earlier boot"
+    with open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
+    db = sqlite3.connect(os.path.join(env.state, "bubbled.db"))
+    assert db.execute("SELECT value FROM meta WHERE key = 'boot_id'").fetchone()[0] == boot
+    db.close()
+    os.killpg(pid, signal.SIGKILL)

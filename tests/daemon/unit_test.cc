@@ -11,9 +11,11 @@
 #include "daemon/store.h"
 
 #include <fcntl.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <capnp/message.h>
@@ -186,6 +188,28 @@ TEST_CASE("frames_roundtrip_split_anywhere") {
   }
   CHECK(frames == 2);
   CHECK(fr.pending() == 0);
+}
+
+TEST_CASE("a_reader_lets_go_of_a_large_frame_once_it_is_done_with") {
+  capnp::MallocMessageBuilder msg;
+  auto req = msg.initRoot<bb::proto::Request>();
+  req.setId(7);
+  auto hello = req.initHello();
+  hello.setProtocolVersion(bb::proto::PROTOCOL_VERSION);
+  hello.setClient(std::string(4 << 20, 'x'));  // a client name of 4 MiB
+  std::vector<uint8_t> bytes;
+  std::string error;
+  REQUIRE(encode_frame(msg, 16 << 20, &bytes, &error));
+  FrameReader fr(16 << 20);
+  fr.feed(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  std::unique_ptr<capnp::MessageReader> r;
+  REQUIRE(fr.next(&r, &error) == FrameReader::Result::kFrame);
+  CHECK(r->getRoot<bb::proto::Request>().getId() == 7);
+  r.reset();
+  CHECK(fr.held_bytes() >= (4u << 20));
+  // Idle after it: the next look for a frame gives the memory back.
+  REQUIRE(fr.next(&r, &error) == FrameReader::Result::kNeedMore);
+  CHECK(fr.held_bytes() <= 64 * 1024);
 }
 
 TEST_CASE("frames_reject_bad_lengths_and_garbage") {
@@ -487,13 +511,18 @@ TEST_CASE("store_syncs_submissions_but_not_the_frequent_records") {
       a.action = i % 2 ? "continue" : "stop";
       REQUIRE(s.insert_action(a));
     }
+    TaskRow attached;
+    attached.spec.name = "a";
+    attached.origin = "attached";  // adopted when it attached: not a submission
+    REQUIRE(s.insert_task(&attached));
     CHECK(SyncCounter::syncs == before);
   }
   {
     Store s;
     REQUIRE(s.open(path).empty());
     auto rows = s.load_tasks();
-    REQUIRE(rows.size() == 1);
+    REQUIRE(rows.size() == 2);
+    CHECK(rows[1].origin == "attached");
     CHECK(rows[0].violations == 99);
     CHECK(rows[0].state == "running");
     CHECK(s.count_actions() == 100);
@@ -580,6 +609,52 @@ TEST_CASE("process_identity_includes_start_time") {
   CHECK(st.start_time > 0);
   CHECK(same_process(getpid(), st.start_time));
   CHECK_FALSE(same_process(getpid(), st.start_time + 1));
+}
+
+TEST_CASE("a_task_group_is_signalled_only_in_members_that_are_the_tasks") {
+  // A group's number outlives its members: once the group is empty it may come back as someone
+  // else's. Only members that started at or after the recorded leader, with the task's id in
+  // their environment, are the task's.
+  const pid_t child = fork();
+  REQUIRE(child >= 0);
+  if (child == 0) {
+    setpgid(0, 0);
+    char* argv[] = {const_cast<char*>("sleep"), const_cast<char*>("60"), nullptr};
+    char* envp[] = {const_cast<char*>("BUBBLE_TASK_ID=7"), nullptr};
+    execve("/bin/sleep", argv, envp);
+    _exit(127);
+  }
+  struct Reap {
+    pid_t pid;
+    ~Reap() {
+      if (pid <= 0) return;
+      kill(pid, SIGKILL);
+      waitpid(pid, nullptr, 0);
+    }
+  } reap{child};
+  ProcStat st;
+  // Signal 0 only checks. Wait for the exec (the environment is the new image's).
+  for (int i = 0; i < 2000 && signal_task_group(child, 0, "BUBBLE_TASK_ID=7", 0) == 0; ++i)
+    usleep(1000);
+  REQUIRE(read_proc_stat(child, &st));
+  REQUIRE(st.pgid == child);
+  CHECK(signal_task_group(child, st.start_time, "BUBBLE_TASK_ID=7", 0) == 1);
+  CHECK(signal_task_group(child, st.start_time, "BUBBLE_TASK_ID=70", 0) == 0);  // another task
+  CHECK(signal_task_group(child, st.start_time, "BUBBLE_TASK_ID=", 0) == 0);
+  CHECK(signal_task_group(child, st.start_time + 1, "BUBBLE_TASK_ID=7", 0) == 0);  // older
+  CHECK(signal_task_group(getpgrp(), 0, "BUBBLE_TASK_ID=7", 0) == 0);  // another group
+  CHECK(signal_task_group(child, st.start_time, "BUBBLE_TASK_ID=7", SIGKILL) == 1);
+  int status = 0;
+  REQUIRE(waitpid(child, &status, 0) == child);
+  reap.pid = 0;  // reaped
+  CHECK(WIFSIGNALED(status));
+  CHECK(WTERMSIG(status) == SIGKILL);
+}
+
+TEST_CASE("boot_id_names_this_boot") {
+  const std::string id = boot_id();
+  CHECK(id.size() == 36);  // a UUID
+  CHECK(id == boot_id());
 }
 
 namespace {

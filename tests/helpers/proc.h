@@ -223,6 +223,17 @@ inline char proc_state(pid_t pid) {
   return paren && paren[1] == ' ' ? paren[2] : 0;
 }
 
+// True once every thread of process pid is stopped ('T'): a SIGSTOP is delivered
+// asynchronously, and a thread still finishing a call may answer one more request.
+inline bool all_threads_stopped(pid_t pid) {
+  const std::string dir = "/proc/" + std::to_string(pid) + "/task";
+  const std::set<std::string> tids = list_dir(dir);
+  if (tids.empty()) return false;
+  for (const std::string& t : tids)
+    if (proc_state(pid_t(std::atoi(t.c_str()))) != 'T') return false;
+  return true;
+}
+
 // What each thread of process pid is doing, for a test that waited on it in vain: its name, state
 // letter, the kernel function it sleeps in (wchan), its pending, blocked and caught signal masks,
 // and the process's shared pending mask. A stopped process, a signal sitting blocked and a thread

@@ -846,6 +846,65 @@ TEST_CASE("task_without_a_cuda_driver_gives_a_cuda_grant_back") {
   check_lender_empty(s);
 }
 
+TEST_CASE("a_task_in_the_trainers_own_process_is_never_killed_for_its_grant") {
+  // A holder past its revoke deadline is killed: one in the trainer's own process would take
+  // the trainer with it. It is kept like a holder the kill cannot reach.
+  RuntimeDir dir;
+  Trainer t("self");
+  t.lend(BB_GRANT_HOST, kMiB);
+  bb_task_options_t o;
+  bb_task_options_init(&o);
+  o.mem_need = 65536;
+  bb_task_h task = nullptr;
+  REQUIRE(bb_task_attach("self", 0, "inproc", &o, &task) == BB_OK);
+  // Mapped (a grant never mapped is believed given back, and nobody is killed for it): the
+  // task maps what it is offered while it waits for a start.
+  REQUIRE(eventually([&] {
+    bb_task_wait_start(task, 10'000'000, nullptr);
+    bb_task_grant_t g{sizeof g};
+    return bb_task_grant(task, &g) == BB_OK && g.ptr != nullptr;
+  }));
+  const uint64_t id = t.task_id("inproc");
+  REQUIRE(bb_trainer_revoke(t.h, id, bb_now_ns() + 50'000'000ull) == BB_OK);
+  // Well past the deadline, this process is still here, and the grant still out.
+  REQUIRE(eventually([&] { return bb_now_ns() > t.grant_of(id).deadline_ns + 500'000'000ull; }));
+  CHECK(t.grants().tasks_killed == 0);
+  CHECK(t.grant_of(id).state == BB_GRANT_STATE_REVOKING);
+  bb_task_detach(task);  // it gives the grant back as it goes
+  REQUIRE(eventually([&] { return t.grants().revokes_acked == 1; }));
+  check_lender_empty(t.grants());
+}
+
+TEST_CASE("a_grant_its_task_cannot_unmap_is_never_said_to_be_free") {
+  RuntimeDir dir;
+  ScopedEnv env("BUBBLE_CUDA_DRIVER", double_path());
+  Trainer t("gu");
+  t.lend(BB_GRANT_CUDA_VMM, 8 * kMiB);
+  std::unique_ptr<Child> task;
+  {
+    ScopedEnv fail("BUBBLE_CUDA_DOUBLE_FAIL", "unmap");  // the task's driver cannot unmap
+    task = std::make_unique<Child>(
+        task_args("gu", "stuck", "iterative", {"--mem", std::to_string(kMiB), "--grant-seed", "7"}));
+  }
+  REQUIRE(task->wait_line("ATTACHED") != "");
+  REQUIRE(t.until_granted(*task) != 0);
+  const uint64_t id = t.task_id("stuck");
+  // The task tries to unmap when it acks its pause, and fails. Saying the grant is given back
+  // (as a second try that finds nothing left to unmap would) would let the trainer hand the
+  // bytes to another task while they may still be mapped here. The memory is free again only
+  // once the task is gone: its run ends with the error, or the deadline's kill ends it.
+  REQUIRE(bb_trainer_revoke(t.h, id, bb_now_ns() + 1'000'000'000ull) == BB_OK);
+  const std::string result = task->wait_line("RESULT", 15000);
+  INFO("the task said: " << result);
+  CHECK(result.find("BB_OK") == std::string::npos);
+  const int status = task->wait_exit(15000);
+  CHECK((killed_by_sigkill(status) || (status != -1 && WIFEXITED(status))));
+  REQUIRE(eventually([&] { return t.grants().released_dead == 1; }));
+  const bb_grant_stats_t s = t.grants();
+  CHECK(s.revokes_acked == 0);
+  check_lender_empty(s);
+}
+
 TEST_CASE("grant_words_from_a_task_are_believed_only_when_exact") {
   RuntimeDir dir;
   Trainer t("gw");

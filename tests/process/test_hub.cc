@@ -2,7 +2,9 @@
 // child processes, cooperating through a real hub.
 #include <bubble/bubble.h>
 #include <doctest/doctest.h>
+#include <sys/socket.h>
 #include <sys/syscall.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -13,6 +15,8 @@
 #include <vector>
 
 #include "core/observer.h"
+#include "core/paths.h"
+#include "shm/segment.h"
 #include "tests/helpers/proc.h"
 #include "tests/helpers/trainer_fixture.h"
 
@@ -385,6 +389,16 @@ TEST_CASE("wait_options_over_a_second_are_refused_with_the_option_named") {
   o.wake_lead_ns = 1'000'000'000;  // a second is still allowed
   REQUIRE(bb_task_attach("spins", 0, "t", &o, &task) == BB_OK);
   bb_task_detach(task);
+  // A caller built before wake_lead_ns existed passes the shorter struct: what lies past its
+  // size is not read (here it would be refused), and the field takes its default.
+  bb_task_options_init(&o);
+  o.size = offsetof(bb_task_options_t, wake_lead_ns);
+  o.wake_lead_ns = UINT64_MAX / 2;
+  REQUIRE(bb_task_attach("spins", 0, "t", &o, &task) == BB_OK);
+  bb_task_detach(task);
+  o.size = 4;
+  CHECK(bb_task_attach("spins", 0, "t", &o, &task) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("size is 4") != std::string::npos);
 }
 
 TEST_CASE("attach_without_trainer_says_so") {
@@ -748,4 +762,61 @@ TEST_CASE("a_task_stepping_faster_than_the_hub_drains_loses_no_start_or_pause_re
   CHECK(s.steps > starts);  // folded reports still count every step
   obs.reset();
   bb_trainer_close(h);
+}
+
+TEST_CASE("an_answer_the_trainer_gives_late_is_never_taken_for_a_later_requests") {
+  RuntimeDir dir;
+  Child trainer({trainer_bin(), "slow", "0"});
+  REQUIRE(trainer.wait_line("OPEN") != "");
+  Child task(task_args("slow", "w", "iterative", {"--step-us", "100"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  std::unique_ptr<bb::core::HubObserver> obs;
+  std::string err;
+  REQUIRE(bb::core::HubObserver::open("", "slow", 0, &obs, &err, 300) == BB_OK);
+  const auto tasks = obs->snapshot().tasks;
+  REQUIRE(tasks.size() == 1);
+  const uint64_t bogus = tasks[0].id + (uint64_t(1) << 32);  // the slot's next generation
+  // Stopped, the trainer answers nothing: the request times out, and so does the next one, at
+  // once, while the first answer is still owed.
+  trainer.signal(SIGSTOP);
+  REQUIRE(eventually([&] { return bbtest::all_threads_stopped(trainer.pid()); }));
+  CHECK(obs->stop_task(tasks[0].id, &err) == BB_E_TIMEOUT);
+  CHECK(obs->stop_task(bogus, &err) == BB_E_TIMEOUT);
+  CHECK(err.find("earlier request") != std::string::npos);  // not sent: the first is owed
+  CHECK(obs->alive());
+  trainer.signal(SIGCONT);
+  // The late answer (BB_OK: the task was asked to stop) is dropped; the request for a task
+  // that is not there gets its own answer.
+  bb_status st = BB_E_TIMEOUT;
+  CHECK(eventually([&] { return (st = obs->stop_task(bogus, &err)) != BB_E_TIMEOUT; }, 10000));
+  CHECK(st == BB_E_NOT_FOUND);
+  CHECK(task.wait_line("RESULT", 10000).find("BB_E_STOPPED") != std::string::npos);
+}
+
+TEST_CASE("an_observer_does_not_hang_on_a_trainer_that_stopped_accepting") {
+  RuntimeDir dir;
+  Child trainer({trainer_bin(), "frozen", "0"});
+  REQUIRE(trainer.wait_line("OPEN") != "");
+  std::string path;
+  REQUIRE(bb::core::resolve_runtime_dir(nullptr, false, &path) == BB_OK);
+  path += "/frozen.0.sock";
+  trainer.signal(SIGSTOP);
+  REQUIRE(eventually([&] { return bbtest::all_threads_stopped(trainer.pid()); }));
+  // Fill the listener's backlog: a further connect would wait for an accept that never comes.
+  std::vector<bb::shm::Fd> held;
+  for (int i = 0; i < 200; ++i) {
+    int s = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    REQUIRE(s >= 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", path.c_str());
+    const int rc = connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof addr);
+    held.emplace_back(s);
+    if (rc != 0 && errno == EAGAIN) break;  // full
+  }
+  std::unique_ptr<bb::core::HubObserver> obs;
+  std::string err;
+  CHECK(bb::core::HubObserver::open("", "frozen", 0, &obs, &err, 300) == BB_E_TIMEOUT);
+  CHECK(err.find("not accepting") != std::string::npos);
+  trainer.signal(SIGCONT);
 }

@@ -258,7 +258,10 @@ typedef struct bb_task_info_t {
  * it is the array's stride, so a binary built against an older header gets the fields it knows. */
 BB_API bb_status bb_trainer_tasks(bb_trainer_h trainer, bb_task_info_t *out, size_t cap,
                                   size_t *count);
-/* Tells one task (by bb_task_info_t.id) to stop; it finishes and detaches. */
+/* Tells one task (by bb_task_info_t.id) to stop; it finishes and detaches. Any thread but the
+ * bubble thread's hot path: the hub's service thread makes the stop (so it reaches that task and
+ * never a later one in its slot), and the call waits for it, which takes one turn of that thread.
+ * BB_E_NOT_FOUND: the task is no longer attached; BB_E_STATE: the hub is closing. */
 BB_API bb_status bb_trainer_stop_task(bb_trainer_h trainer, uint64_t task_id);
 
 /* ---------------------------------------------------------------------------------------------
