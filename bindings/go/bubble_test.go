@@ -392,6 +392,34 @@ func TestSetScheduleAcceptsA1F1BPipelineAndNamesWhatItRejects(t *testing.T) {
 	}
 }
 
+// Bubble marks wait as a bubble, and its error is Begin's or End's: wait runs even when Begin
+// fails (it is the caller's receive), and End's error is not dropped.
+func TestBubbleRunsWaitAndReportsBeginAndEndErrors(t *testing.T) {
+	tr, _ := openTrainer(t)
+	waited := 0
+	if err := tr.Bubble(time.Millisecond, BubbleSteady, func() { waited++ }); err != nil {
+		t.Fatal(err)
+	}
+	if s, err := tr.Stats(); err != nil || s.Bubbles != 1 || waited != 1 {
+		t.Fatalf("want one bubble and one wait, got %+v, %v, %d waits", s, err, waited)
+	}
+	// End fails: the trainer is closed during the wait.
+	err := tr.Bubble(time.Millisecond, BubbleSteady, func() {
+		waited++
+		if err := tr.Close(); err != nil {
+			t.Error(err)
+		}
+	})
+	if !errors.Is(err, ErrState) || waited != 2 {
+		t.Fatalf("End's error: want ErrState after 2 waits, got %v after %d", err, waited)
+	}
+	// Begin fails: wait still runs, and Begin's error comes back.
+	err = tr.Bubble(time.Millisecond, BubbleSteady, func() { waited++ })
+	if !errors.Is(err, ErrState) || waited != 3 {
+		t.Fatalf("Begin's error: want ErrState after 3 waits, got %v after %d", err, waited)
+	}
+}
+
 // Close on one goroutine while others are inside calls: it waits for them, and every call after
 // it fails with ErrState (none reaches a freed hub).
 func TestCloseWaitsForCallsInFlightOnOtherGoroutines(t *testing.T) {

@@ -205,11 +205,18 @@ func (t *Trainer) End() error {
 }
 
 // Bubble runs wait (typically a blocking receive) inside a bubble, ended even if wait panics.
-func (t *Trainer) Bubble(expected time.Duration, kind BubbleKind, wait func()) error {
-	if err := t.Begin(expected, kind, MemUnknown); err != nil {
+// wait always runs, being the caller's own work: when Begin fails, it runs outside a bubble
+// and Bubble returns Begin's error after it. Otherwise it returns End's error.
+func (t *Trainer) Bubble(expected time.Duration, kind BubbleKind, wait func()) (err error) {
+	if err = t.Begin(expected, kind, MemUnknown); err != nil {
+		wait()
 		return err
 	}
-	defer t.End()
+	defer func() {
+		if endErr := t.End(); err == nil {
+			err = endErr
+		}
+	}()
 	wait()
 	return nil
 }

@@ -115,6 +115,39 @@ TEST_CASE("a bad job id is E_INVALID") {
   }
 }
 
+TEST_CASE("a NUL byte in a job id, task name or runtime dir is E_INVALID, not a shorter name") {
+  // Cut at the NUL, each of these names one that works here: the hub of `job`.
+  auto job = unique_job();
+  bubble::trainer t(job, 0);
+  const std::string nul("\0x", 2);
+  const std::string dir = std::string(std::getenv("BUBBLE_RUNTIME_DIR")) + nul;
+  auto invalid = [](const std::string& what, auto make) {
+    CAPTURE(what);
+    try {
+      make();
+      FAIL("a name with a NUL byte was taken");
+    } catch (const bubble::error& e) {
+      CHECK(e.code() == bubble::status::E_INVALID);
+      CHECK(e.message().find(what + " \"") == 0);
+      CHECK(e.message().find("contains a NUL byte") != std::string::npos);
+    }
+  };
+  invalid("job id", [&] { bubble::trainer(job + nul, 0); });
+  invalid("runtime dir", [&] {
+    bubble::trainer_options o;
+    o.runtime_dir = dir;
+    bubble::trainer(job, 1, o);
+  });
+  invalid("job id", [&] { bubble::task(job + nul, 0, "cut"); });
+  invalid("task name", [&] { bubble::task(job, 0, "cut" + nul); });
+  invalid("runtime dir", [&] {
+    bubble::task_options o;
+    o.runtime_dir = dir;
+    bubble::task(job, 0, "cut", o);
+  });
+  CHECK(t.tasks().empty());
+}
+
 TEST_CASE("a moved-from trainer refuses calls and the new owner keeps the hub") {
   auto job = unique_job();
   bubble::trainer a(job, 0);

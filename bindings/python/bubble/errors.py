@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import os
 
 from ._lib import lib
 
@@ -78,3 +79,13 @@ def check(status: int) -> None:
     """Raise the matching exception for a non-OK status (call right after the C call)."""
     if status != 0:
         raise error_for(status)
+
+
+def c_string(what: str, value: str | os.PathLike[str], *, path: bool = False) -> bytes:
+    """`value` for a const char* argument (a path: os.fsencode'd); InvalidArgument when it
+    holds a NUL byte, which C would take for its end, and so use a shorter, other name."""
+    raw = os.fsencode(value) if path else value.encode()
+    if b"\0" in raw:
+        raise InvalidArgument(f"{what} {value!r} contains a NUL byte; pass "
+                              f"{'a path' if path else 'a name'} without one")
+    return raw

@@ -13,10 +13,11 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from . import _lib
+from ._handle import SharedHandle
 from ._lib import lib
-from .errors import BubbleError, CallbackFailed, Status, check, error_for
+from .errors import BubbleError, CallbackFailed, Status, c_string, check, error_for
 from .grant import GrantLookup, TaskGrant, ViewScope, task_grant
-from .trainer import BubbleKind
+from .trainer import BubbleKind, _checked
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,9 @@ def _unknown_none(value: int) -> int | None:
 
 
 class Task:
-    """A side task's attachment to one hub. Belongs to one thread at a time."""
+    """A side task's attachment to one hub. Belongs to one thread at a time; only detach() may
+    also come from another thread, or from a callback or signal handler inside a call (see
+    there)."""
 
     def __init__(self, job_id: str, rank: int, name: str, *, priority: int = 0,
                  mem_need: int = 0, min_step_ns: int = 0,
@@ -142,20 +145,16 @@ class Task:
         if wake_lead_ns is not None:
             opts.wake_lead_ns = wake_lead_ns
         if runtime_dir is not None:
-            opts.runtime_dir = os.fsencode(runtime_dir)
+            opts.runtime_dir = c_string("runtime dir", runtime_dir, path=True)
+        job, cname = c_string("job id", job_id), c_string("task name", name)
         handle = ctypes.c_void_p()
-        check(lib.bb_task_attach(job_id.encode(), rank, name.encode(), ctypes.byref(opts),
-                                 ctypes.byref(handle)))
-        self._h: ctypes.c_void_p | None = handle
+        check(lib.bb_task_attach(job, rank, cname, ctypes.byref(opts), ctypes.byref(handle)))
+        # Every call goes through it, counted in flight: detach() frees the handle only once no
+        # call uses it.
+        self._handle = SharedHandle(handle, "the task is detached; attach a new Task")
         self.name = name
         self._scope = ViewScope()  # views of grant mappings, until a call that may unmap them
         self._lookup = GrantLookup()
-
-    @property
-    def _handle(self) -> ctypes.c_void_p:
-        if self._h is None:
-            raise ValueError("the task is detached; attach a new Task")
-        return self._h
 
     def _unmapping(self) -> None:
         """Before a call that may unmap the grant: views of it stop working."""
@@ -163,13 +162,26 @@ class Task:
         self._scope = ViewScope()
 
     def detach(self) -> None:
-        """Acks any pending pause and releases the slot. Safe to call twice."""
-        h, self._h = self._h, None
-        if h is not None:
-            self._unmapping()
-            check(lib.bb_task_detach(h))
+        """Acks any pending pause and releases the slot. Safe to call twice.
+
+        From another thread while this task is inside a call, it waits for the call to return
+        (and later calls raise ValueError): wait_start() returns within 100 ms, raising
+        ValueError, but run() only when its run ends (finished, stopped, the trainer gone), so
+        end the run first. From a SideTask method or a signal handler inside a call on this
+        thread, it returns at once and the slot is released when that call returns."""
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            handle.close(self._detach_now)
 
     close = detach
+
+    def _detach_now(self, h: ctypes.c_void_p) -> None:
+        self._unmapping_call(h, lib.bb_task_detach)
+
+    def _unmapping_call(self, h: ctypes.c_void_p, fn) -> None:
+        """A call that may unmap the grant: views of it stop working first."""
+        self._unmapping()
+        check(fn(h))
 
     def __enter__(self) -> "Task":
         return self
@@ -178,7 +190,8 @@ class Task:
         self.detach()
 
     def __del__(self) -> None:
-        if getattr(self, "_h", None) is not None:
+        handle = getattr(self, "_handle", None)
+        if handle is not None and not handle.closed:
             with contextlib.suppress(Exception):
                 self.detach()
 
@@ -252,14 +265,19 @@ class Task:
         cbs.pause = _lib.INIT_FN(lambda _u: guard(call, side_task.pause))
         cbs.resume = _lib.INIT_FN(lambda _u: guard(call, side_task.resume))
         cbs.finish = _lib.FINISH_FN(finish)
-        handle = self._handle
-        self._unmapping()
-        with gate:
-            # An idle call is a trip into Python (and for the GIL) every 100 ms: made only when
-            # something listens, the SIGINT gate or a SideTask's own idle().
-            if gate.active or own_idle:
-                cbs.idle = _lib.INIT_FN(idle)
-            status = lib.bb_task_run(handle, ctypes.byref(cbs))
+        handle: ctypes.c_void_p | None = None  # for step(): the handle the run is on
+
+        def run(h: ctypes.c_void_p) -> int:
+            nonlocal handle
+            handle = h
+            self._unmapping()
+            with gate:
+                # An idle call is a trip into Python (and for the GIL) every 100 ms: made only
+                # when something listens, the SIGINT gate or a SideTask's own idle().
+                if gate.active or own_idle:
+                    cbs.idle = _lib.INIT_FN(idle)
+                return lib.bb_task_run(h, ctypes.byref(cbs))
+        status = self._handle.call(run)
         interrupted()  # a Ctrl-C no callback saw (the run ended first) is not lost either
         if raised:
             raise raised[0]
@@ -277,9 +295,12 @@ class Task:
 
     def wait_start(self, timeout: float | None = None) -> StartInfo | None:
         """Blocks until the trainer starts this task in a bubble; None after `timeout` seconds.
-        Raises Stopped when told to stop and TrainerGone when the trainer left."""
+        Raises Stopped when told to stop and TrainerGone when the trainer left (and ValueError
+        within 100 ms of a detach() on another thread)."""
+        return self._handle.call(self._wait_start, timeout)
+
+    def _wait_start(self, handle: ctypes.c_void_p, timeout: float | None) -> StartInfo | None:
         out = _lib.StartInfoC(size=ctypes.sizeof(_lib.StartInfoC))
-        handle = self._handle
         self._unmapping()
         # In slices of at most 100 ms: Python raises a Ctrl-C's KeyboardInterrupt only once the
         # call returns.
@@ -291,7 +312,8 @@ class Task:
             if status != Status.E_TIMEOUT or (deadline is not None
                                               and time.monotonic() >= deadline):
                 break
-            handle = self._handle  # closed meanwhile by another thread: raises
+            if self._handle.closed:  # detach() on another thread waits for this call to return
+                raise ValueError("the task is detached; attach a new Task")
         if status == Status.E_TIMEOUT:
             return None
         check(status)
@@ -301,36 +323,34 @@ class Task:
 
     def should_pause(self) -> bool:
         """True once the bubble ended or the task was told to stop. One shared-memory load."""
-        return lib.bb_task_should_pause(self._handle) != 0
+        return self._handle.call(lib.bb_task_should_pause) != 0
 
     def ack_pause(self) -> None:
         """The task stopped its device work for this bubble (and gives back a grant being
         revoked)."""
-        handle = self._handle
-        self._unmapping()
-        check(lib.bb_task_ack_pause(handle))
+        self._handle.call(self._unmapping_call, lib.bb_task_ack_pause)
 
     def grant(self) -> TaskGrant | None:
         """The grant this task maps now (mapping one just offered); None when it holds none.
         Raises Unsupported (once) for a CUDA grant in a process without a CUDA driver."""
-        handle = self._handle
+        return self._handle.call(self._grant)
+
+    def _grant(self, h: ctypes.c_void_p) -> TaskGrant | None:
         self._unmapping()
-        return task_grant(handle, self._scope)
+        return task_grant(h, self._scope)
 
     def ack_revoke(self) -> None:
         """If the trainer is revoking this task's grant: unmaps it and acks; otherwise nothing.
         Stop all use of the grant first."""
-        handle = self._handle
-        self._unmapping()
-        check(lib.bb_task_ack_revoke(handle))
+        self._handle.call(self._unmapping_call, lib.bb_task_ack_revoke)
 
     def report_step(self, step_ns: int) -> None:
-        check(lib.bb_task_report_step(self._handle, step_ns))
+        self._handle.call(_checked, lib.bb_task_report_step, step_ns)
 
     def time_left(self) -> tuple[int | None, int]:
         """(ns left in the current bubble or None if unknown, estimated step ns)."""
         left, est = ctypes.c_uint64(), ctypes.c_uint64()
-        check(lib.bb_task_time_left(self._handle, ctypes.byref(left), ctypes.byref(est)))
+        self._handle.call(_checked, lib.bb_task_time_left, ctypes.byref(left), ctypes.byref(est))
         return _unknown_none(left.value), est.value
 
     def bubbles(self) -> Iterator[StartInfo]:

@@ -5,13 +5,13 @@ import contextlib
 import ctypes
 import enum
 import os
-import threading
 from dataclasses import dataclass, fields
 from typing import Iterator
 
 from . import _lib
+from ._handle import SharedHandle
 from ._lib import lib
-from .errors import check
+from .errors import c_string, check
 from .grant import GrantBackend, GrantInfo, GrantStats, grant_info, grant_stats, lend_options
 
 
@@ -87,9 +87,7 @@ class Trainer:
                  max_running: int | None = None, event_capacity: int | None = None,
                  runtime_dir: str | os.PathLike[str] | None = None,
                  allow_uid: int | None = None) -> None:
-        self._h: ctypes.c_void_p | None = None
-        self._mu = threading.Condition()
-        self._inflight = 0
+        self._handle: SharedHandle | None = None
         opts = _lib.TrainerOptions()
         lib.bb_trainer_options_init(ctypes.byref(opts))
         if max_slots is not None:
@@ -99,42 +97,33 @@ class Trainer:
         if event_capacity is not None:
             opts.event_capacity = event_capacity
         if runtime_dir is not None:
-            opts.runtime_dir = os.fsencode(runtime_dir)
+            opts.runtime_dir = c_string("runtime dir", runtime_dir, path=True)
         if allow_uid is not None:
             opts.allow_uid = allow_uid
         handle = ctypes.c_void_p()
-        check(lib.bb_trainer_open(job_id.encode(), rank, ctypes.byref(opts),
+        check(lib.bb_trainer_open(c_string("job id", job_id), rank, ctypes.byref(opts),
                                   ctypes.byref(handle)))
-        self._h = handle
+        self._handle = SharedHandle(handle, "the trainer is closed; open a new Trainer")
         self.job_id = job_id
         self.rank = rank
 
     def _call(self, fn, *args) -> None:
         """One call on the hub, counted in flight: close() waits for it before it frees the hub,
         so a close on another thread never frees the handle under it (the GIL is given up in
-        most calls, and between any two bytecodes)."""
-        with self._mu:
-            if self._h is None:
-                raise ValueError("the trainer is closed; open a new Trainer")
-            h = self._h
-            self._inflight += 1
-        try:
-            check(fn(h, *args))
-        finally:
-            with self._mu:
-                self._inflight -= 1
-                if not self._inflight:
-                    self._mu.notify_all()
+        most calls, and between any two bytecodes); a close on this thread inside it (a signal
+        handler's) leaves the free to it (see SharedHandle)."""
+        self._handle.call(_checked, fn, *args)
 
     def close(self) -> None:
         """Stops every attached task and removes the hub, once the calls other threads have in
-        flight have returned; calls made after it raise. Safe to call twice."""
-        with self._mu:
-            h, self._h = self._h, None
-            if h is None:
-                return
-            self._mu.wait_for(lambda: not self._inflight)
-        check(lib.bb_trainer_close(h))
+        flight have returned; calls made after it raise. Safe to call twice.
+
+        Called on a thread that is itself inside a call on this trainer (a signal handler, say
+        SIGTERM's, that interrupted bubble_begin), it cannot wait for that call: it returns at
+        once, and the hub is removed when the interrupted call returns (raising from there if
+        the removal fails)."""
+        if self._handle is not None:
+            self._handle.close(_close_hub)
 
     def __enter__(self) -> "Trainer":
         return self
@@ -144,7 +133,8 @@ class Trainer:
 
     def __del__(self) -> None:
         # A backstop only: a forgotten trainer must not leave its hub behind for the next run.
-        if getattr(self, "_h", None) is not None:
+        handle = getattr(self, "_handle", None)
+        if handle is not None and not handle.closed:
             with contextlib.suppress(Exception):
                 self.close()
 
@@ -271,6 +261,14 @@ class Trainer:
         out = _lib.GrantStatsC(size=ctypes.sizeof(_lib.GrantStatsC))
         self._call(lib.bb_trainer_grant_stats, ctypes.byref(out))
         return grant_stats(out)
+
+
+def _checked(h: ctypes.c_void_p, fn, *args) -> None:
+    check(fn(h, *args))  # inside the call: bb_last_error() is the failed call's
+
+
+def _close_hub(h: ctypes.c_void_p) -> None:
+    check(lib.bb_trainer_close(h))
 
 
 def _task_id(task: int | TaskInfo) -> int:

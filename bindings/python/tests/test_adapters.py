@@ -332,6 +332,28 @@ def test_standin_pipelining_publishes_and_numbers_every_receive(job):
         assert mod._batch_p2p is orig_batch  # uninstalled
 
 
+def test_standin_pipelining_install_that_fails_to_publish_leaves_nothing_installed(job):
+    mod = _pipelining_standin_with_batches()
+    orig_wait, orig_batch = mod._wait_batch_p2p, mod._batch_p2p
+    sched = mod.Schedule1F1B(types.SimpleNamespace(num_stages=4, stage_index=2), 8)
+    with bubble.Trainer(job, 0) as trainer:
+        a = PipeliningBubbles(trainer, sched, module=mod)
+
+        def refused(*args, **kwargs):
+            raise bubble.Busy("the schedule cannot be set now")
+        trainer.set_schedule = refused  # an error other than InvalidArgument comes through
+        with pytest.raises(bubble.Busy):
+            a.install()
+        assert mod._wait_batch_p2p is orig_wait and mod._batch_p2p is orig_batch
+        assert "step" not in vars(sched)
+        del trainer.set_schedule
+        with a:  # not "already installed": it installs, and publishes this time
+            assert a.published
+            sched.step([("fwd_recv", 0.0)])
+        assert mod._wait_batch_p2p is orig_wait and mod._batch_p2p is orig_batch
+        assert trainer.stats().bubbles == 1
+
+
 def _deepspeed_standin():
     """deepspeed.runtime.pipe: instruction classes, and an engine that runs them the documented
     way (self._INSTRUCTION_MAP[type(cmd)] bound with MethodType, kwargs from the instruction)."""

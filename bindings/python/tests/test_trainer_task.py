@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
@@ -165,6 +168,138 @@ def test_close_waits_for_calls_in_flight_on_other_threads(job):
     assert all(isinstance(e, ValueError) and "closed" in str(e) for e in errors), errors
     with pytest.raises(ValueError, match="closed"):
         trainer.bubble_begin(0.001)
+
+
+class _LibCalling:
+    """bubble.trainer's `lib`, but `name` first runs `hook`: what a signal handler does when
+    Python runs it on the thread inside the call, before the C function is called."""
+
+    def __init__(self, name: str, hook) -> None:
+        from bubble._lib import lib
+        self._lib, self._name, self._hook = lib, name, hook
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._lib, name)
+        if name != self._name:
+            return fn
+
+        def hooked(*args):
+            self._hook()
+            return fn(*args)
+        return hooked
+
+
+def test_close_inside_a_call_of_its_own_thread_returns_and_the_hub_goes_when_the_call_does(
+        job, monkeypatch):
+    # A SIGTERM handler that closes the trainer while the main thread is inside a trainer
+    # call: the call is below close() on the stack, so close() cannot wait for it (it hung).
+    import bubble.trainer as trainer_module
+    trainer = bubble.Trainer(job, 0)
+    task = bubble.Task(job, 0, "watcher")
+    assert eventually(lambda: len(trainer.tasks()) == 1)
+    order: list[str] = []
+
+    def close_then_note():
+        trainer.close()
+        order.append("close returned")
+    monkeypatch.setattr(trainer_module, "lib", _LibCalling("bb_trainer_stats", close_then_note))
+    # The handle given to the C call is still the live hub's: the stats are its own.
+    stats = Background(trainer.stats).join_result(timeout=10)
+    assert order == ["close returned"]
+    assert stats.tasks_attached == 1
+    # Removed once the call returned: the task sees its trainer gone, new calls raise.
+    with pytest.raises(bubble.TrainerGone):
+        task.wait_start(timeout=5)
+    task.detach()
+    with pytest.raises(ValueError, match="closed"):
+        trainer.bubble_begin(0.001)
+    with pytest.raises(bubble.HubNotFound):
+        bubble.Task(job, 0, "late")
+
+
+def test_close_inside_a_call_after_its_c_function_returned_does_not_hang(job, monkeypatch):
+    # The same handler, run where CPython runs it: right after bb_bubble_begin returned, inside
+    # the call (here by the status check that follows the C call).
+    import bubble.trainer as trainer_module
+    trainer = bubble.Trainer(job, 0)
+    real_check = trainer_module.check
+
+    def check(status):
+        if not calls:
+            calls.append(status)
+            trainer.close()
+        real_check(status)
+    calls: list[int] = []
+    monkeypatch.setattr(trainer_module, "check", check)
+    Background(lambda: trainer.bubble_begin(0.01)).join_result(timeout=10)
+    assert calls == [0]
+    with pytest.raises(ValueError, match="closed"):
+        trainer.bubble_end()
+    with pytest.raises(bubble.HubNotFound):
+        bubble.Task(job, 0, "late")
+
+
+def test_detach_on_another_thread_waits_for_wait_start_which_raises(job):
+    with bubble.Trainer(job, 0) as trainer:
+        task = bubble.Task(job, 0, "waiter")
+        assert eventually(lambda: len(trainer.tasks()) == 1)
+        waiter = Background(task.wait_start)  # no timeout: waits until something happens
+        time.sleep(0.3)  # a few of its 100 ms slices into the wait
+        assert waiter.is_alive()
+        Background(task.detach).join_result(timeout=10)
+        # The wait noticed within its 100 ms slice, before the slot went away under it.
+        with pytest.raises(ValueError, match="detached"):
+            waiter.join_result(timeout=10)
+        assert eventually(lambda: trainer.tasks() == [])
+        with pytest.raises(ValueError, match="detached"):
+            task.should_pause()
+
+
+def test_detach_from_a_step_of_the_run_detaches_when_the_run_returns(job):
+    class DetachesInStep(bubble.SideTask):
+        def __init__(self, task: bubble.Task) -> None:
+            self.task, self.after, self.steps = task, None, 0
+
+        def step(self, info):
+            self.steps += 1
+            if self.steps == 1:
+                self.task.detach()  # the run is below it on this thread: it returns at once
+                try:
+                    self.task.time_left()
+                except ValueError as exc:
+                    self.after = str(exc)
+            return self.steps == 3  # the run goes on with its slot until it returns
+
+    with bubble.Trainer(job, 0) as trainer:
+        task = bubble.Task(job, 0, "self-detacher")
+        side = DetachesInStep(task)
+        runner = Background(lambda: task.run(side))
+        assert eventually(lambda: len(trainer.tasks()) == 1)
+        trainer.bubble_begin(0.2)
+        assert runner.join_result(timeout=10) is bubble.Outcome.FINISHED
+        trainer.bubble_end()
+        assert side.steps == 3
+        assert side.after is not None and "detached" in side.after
+        assert eventually(lambda: trainer.tasks() == [])
+
+
+@pytest.mark.parametrize("what, make", [
+    ("job id", lambda job: bubble.Trainer(job + "\0x", 0)),
+    ("runtime dir", lambda job: bubble.Trainer(job, 1, runtime_dir=os.environ[
+        "BUBBLE_RUNTIME_DIR"] + "\0/other")),
+    ("job id", lambda job: bubble.Task(job + "\0x", 0, "cut")),
+    ("task name", lambda job: bubble.Task(job, 0, "cut\0short")),
+    ("runtime dir", lambda job: bubble.Task(job, 0, "cut", runtime_dir=Path(os.environ[
+        "BUBBLE_RUNTIME_DIR"] + "\0/other"))),
+])
+def test_a_nul_byte_in_a_name_is_invalid_not_cut_short(job, what, make):
+    # Cut at the NUL, each of these names one that works here: the hub of `job`.
+    with bubble.Trainer(job, 0) as trainer:
+        with pytest.raises(bubble.InvalidArgument, match=f"{what} .* contains a NUL byte") as info:
+            make(job)
+        assert info.value.status is bubble.Status.E_INVALID
+        assert "without one" in info.value.message
+        assert trainer.tasks() == []
 
 
 def test_leaving_the_bubbles_loop_early_still_acks_the_pause(job):

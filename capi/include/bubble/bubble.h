@@ -109,8 +109,13 @@ typedef struct bb_trainer_options_t {
                               and the hub service's), power of two 64..65536; default 4096 */
   const char *runtime_dir; /* where hub sockets live; may be NULL: $BUBBLE_RUNTIME_DIR, else
                               $XDG_RUNTIME_DIR/bubble, else /tmp/bubble-<uid> */
-  uint32_t allow_uid;      /* a second uid allowed to attach (UINT32_MAX = only our own uid;
-                              root may always attach) */
+  uint32_t allow_uid;      /* a second uid the trainer lets attach (UINT32_MAX = only our own
+                              uid; root may always attach). Only the trainer's check: the runtime
+                              directory and socket stay private to the trainer's user, and
+                              libbubble's own task and observer trust only a runtime directory
+                              of their own and a trainer of their uid or root, so today this
+                              serves a peer that speaks the hub protocol itself, given access
+                              to the socket by its operator. */
   uint32_t reserved0_;
 } bb_trainer_options_t;
 

@@ -107,6 +107,18 @@ inline uint64_t to_ns(std::chrono::nanoseconds d) {
   return d.count() <= 0 ? 0 : static_cast<uint64_t>(d.count());
 }
 
+// s for a const char* argument. One holding a NUL byte would reach C cut short at it (another,
+// shorter name): it throws E_INVALID instead, saying which argument (`what`).
+inline const char* c_string(const char* what, const std::string& s, const char* fix = "a name") {
+  if (s.find('\0') != std::string::npos) {
+    std::string shown;
+    for (char c : s) shown += c == '\0' ? std::string("\\0") : std::string(1, c);
+    throw error(status::E_INVALID, std::string(what) + " \"" + shown +
+                                       "\" contains a NUL byte; pass " + fix + " without one");
+  }
+  return s.c_str();
+}
+
 }  // namespace detail
 
 inline constexpr uint64_t mem_unknown = BB_MEM_UNKNOWN;
@@ -253,10 +265,11 @@ class trainer {
     opts.max_slots = o.max_slots;
     opts.max_running = o.max_running;
     opts.event_capacity = o.event_capacity;
-    opts.runtime_dir = o.runtime_dir.empty() ? nullptr : o.runtime_dir.c_str();
+    opts.runtime_dir =
+        o.runtime_dir.empty() ? nullptr : detail::c_string("runtime dir", o.runtime_dir, "a path");
     if (o.allow_uid) opts.allow_uid = *o.allow_uid;
     bb_trainer_h h = nullptr;
-    detail::check(bb_trainer_open(job_id.c_str(), rank, &opts, &h));
+    detail::check(bb_trainer_open(detail::c_string("job id", job_id), rank, &opts, &h));
     h_ = handle(h);
   }
 
@@ -492,11 +505,14 @@ class task {
     opts.on_trainer_exit = static_cast<uint32_t>(o.trainer_exit);
     opts.reattach_timeout_ns = detail::to_ns(o.reattach_timeout);
     opts.spin_ns = detail::to_ns(o.spin);
-    opts.runtime_dir = o.runtime_dir.empty() ? nullptr : o.runtime_dir.c_str();
+    opts.runtime_dir =
+        o.runtime_dir.empty() ? nullptr : detail::c_string("runtime dir", o.runtime_dir, "a path");
     opts.wake_mode = static_cast<uint32_t>(o.wake);
     opts.wake_lead_ns = detail::to_ns(o.wake_lead);
+    const char* job = detail::c_string("job id", job_id);
+    const char* cname = detail::c_string("task name", name);
     bb_task_h h = nullptr;
-    detail::check(bb_task_attach(job_id.c_str(), rank, name.c_str(), &opts, &h));
+    detail::check(bb_task_attach(job, rank, cname, &opts, &h));
     h_ = handle(h);
   }
 

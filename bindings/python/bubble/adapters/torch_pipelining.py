@@ -82,6 +82,10 @@ class PipeliningBubbles(WaitReporter):
         mod = self._module or _schedules_module()
         orig_wait, orig_step = mod._wait_batch_p2p, self._sched.step
         orig_batch = getattr(mod, "_batch_p2p", None)
+        if orig_batch is not None and not self.published:
+            # Before anything is patched: when it raises (a closed trainer, say), nothing is
+            # left installed, and install() may be called again.
+            self.publish_schedule()
         reporter = self
 
         def ours() -> bool:
@@ -122,8 +126,6 @@ class PipeliningBubbles(WaitReporter):
             mod._batch_p2p = _batch_p2p
         self._sched.step = step
         self._saved = (mod, orig_wait, orig_batch)
-        if orig_batch is not None and not self.published:
-            self.publish_schedule()
 
     def uninstall(self) -> None:
         if self._saved is None:
