@@ -423,7 +423,13 @@ void Agent::update_timers() {
       if (it != hubs_.end() && it->second->alive) any_task = true;
     }
   }
-  uint64_t want = any_task ? cfg_.check_interval_ns : any_hub ? cfg_.sample_interval_ns : 0;
+  // A re-adopted task the agent could not watch yet (out of descriptors) is tried again at
+  // every tick: the tick runs while there is one, hub or not.
+  bool unwatched = false;
+  for (const auto& [id, lt] : live_) unwatched |= !lt->exited && !lt->proc && lt->pidfd < 0;
+  uint64_t want = any_task ? cfg_.check_interval_ns
+                  : any_hub || unwatched ? cfg_.sample_interval_ns
+                                         : 0;
   if (want == tick_interval_) return;
   tick_interval_ = want;
   if (want == 0) {

@@ -404,8 +404,11 @@ BB_API void bb_task_callbacks_init(bb_task_callbacks_t *cbs);
 /* Iterative: runs init, then in every bubble resume, steps while the measured step time fits
  * before the deadline and no pause is asked, then pause and an ack; idle between bubbles.
  * Returns BB_OK when step or idle returned BB_STEP_DONE, BB_E_STOPPED when told to stop,
- * BB_E_TRAINER_GONE, or BB_E_CALLBACK. finish is called once with that status before
- * returning. */
+ * BB_E_TRAINER_GONE, or BB_E_CALLBACK; or the error that ended the run otherwise, with its
+ * reason in bb_last_error(): a grant the task could not map (BB_E_UNSUPPORTED without a CUDA
+ * driver, say; the grant went back) or unmap (it stays held until the revoke's deadline), or,
+ * with BB_ON_TRAINER_EXIT_WAIT, a new trainer that refused the re-attach (BB_E_PERMISSION,
+ * BB_E_VERSION, ...). finish is called once with that status before returning. */
 BB_API bb_status bb_task_run(bb_task_h task, const bb_task_callbacks_t *callbacks);
 
 /* ---------------------------------------------------------------------------------------------
