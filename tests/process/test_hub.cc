@@ -820,3 +820,25 @@ TEST_CASE("an_observer_does_not_hang_on_a_trainer_that_stopped_accepting") {
   CHECK(err.find("not accepting") != std::string::npos);
   trainer.signal(SIGCONT);
 }
+
+TEST_CASE("an_attach_that_finds_slots_waiting_for_the_next_bubble_is_told_so") {
+  // A slot whose task died is freed by the bubble thread at its next call: until then an attach
+  // that finds no other slot is told when one comes free, not that all are in use.
+  RuntimeDir dir;
+  Trainer t("onefree", 0, 1);
+  {
+    Child task(task_args("onefree", "gone", "iterative", {"--step-us", "100"}));
+    REQUIRE(task.wait_line("ATTACHED") != "");
+    task.signal(SIGKILL);
+    REQUIRE(task.wait_exit() != -1);
+  }
+  REQUIRE(eventually([&] { return t.stats().tasks_attached == 0; }));
+  bb_task_h h = nullptr;
+  CHECK(bb_task_attach("onefree", 0, "next", nullptr, &h) == BB_E_FULL);
+  CHECK(std::string(bb_last_error()).find("freed at the trainer's next bubble") !=
+        std::string::npos);
+  REQUIRE(bb_bubble_begin(t.h, 0, 0, BB_BUBBLE_OTHER) == BB_OK);
+  REQUIRE(bb_bubble_end(t.h) == BB_OK);
+  REQUIRE(bb_task_attach("onefree", 0, "next", nullptr, &h) == BB_OK);
+  bb_task_detach(h);
+}
