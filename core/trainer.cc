@@ -125,6 +125,7 @@ bool pidfd_dead(int pidfd) {
 }
 
 constexpr uint64_t kDefaultRevokeNs = 1'000'000'000ull;
+constexpr uint64_t kGrantRetryNs = 100'000'000ull;  // after a passing failure of an automatic grant
 // A task whose connection closed while it held a grant is given this long to be reported dead
 // by its pidfd (an exiting process closes its files a moment before it is reaped, and its memory
 // is already gone by then) before it is taken for one that left its slot alive, and killed.
@@ -1652,6 +1653,10 @@ void Trainer::grant_tick(uint64_t now) {
         kill_task(i, ids[k]);  // released when its pidfd reports the death
     }
   }
+  if (grant_retry_ns_ && now >= grant_retry_ns_) {
+    grant_retry_ns_ = 0;
+    retry_grants_ = true;
+  }
   if (!retry_grants_ || !auto_grant_.load(std::memory_order_relaxed) || taking_back_) return;
   retry_grants_ = false;
   for (uint32_t i = 0; i < opts_.max_slots; ++i) {
@@ -1664,9 +1669,14 @@ void Trainer::grant_tick(uint64_t now) {
       continue;
     std::string err;
     const bb_status st = offer_grant(i, s.cand.mem_need, nullptr, &err);
-    // No room now: tried again when memory is released or a task attaches. Anything else would
-    // fail again the same way.
-    if (st != BB_OK && st != BB_E_NOMEM && st != BB_E_FULL) s.grant_hold = true;
+    // No room now: tried again when memory is released or a task attaches. A passing failure
+    // (the task's socket full, the system short of something) is tried again a moment later.
+    // Anything else would fail again the same way.
+    if (st == BB_E_BUSY || st == BB_E_SYSTEM) {
+      if (grant_retry_ns_ == 0) grant_retry_ns_ = now + kGrantRetryNs;
+    } else if (st != BB_OK && st != BB_E_NOMEM && st != BB_E_FULL) {
+      s.grant_hold = true;
+    }
   }
 }
 

@@ -203,6 +203,7 @@ class Trainer {
   };
   std::vector<Doomed> doomed_;
   bool retry_grants_ = true;
+  uint64_t grant_retry_ns_ = 0;  // service thread: when to try automatic grants again, 0 = no
   bool taking_back_ = false;  // bb_trainer_close or unlend() is taking every grant back
   std::atomic<uint64_t> revokes_{0}, revokes_acked_{0}, kills_{0}, released_dead_{0};
 };
