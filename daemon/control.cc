@@ -42,6 +42,11 @@ constexpr uint64_t kOwedBytesTimeoutMs = 10'000;
 // memory. Twice the largest frame, so a client that reads a large reply late is not cut off.
 constexpr size_t kMaxUnreadReplyBytes = 2 * size_t(bb::proto::MAX_FRAME_BYTES);
 
+// All connections together hold at most this much (frames being received, replies not yet
+// read). Each alone is bounded (a frame, twice a frame unread), but 128 clients at their bounds
+// would hold gigabytes: past this, the one holding the most is closed.
+constexpr size_t kMaxHeldBytesAll = size_t(256) << 20;
+
 // Bounds on one submission, so that every record stays small next to the frame limit and a
 // `list` of many records still fits one reply.
 constexpr size_t kMaxArgs = 256;
@@ -88,6 +93,37 @@ void close_conn(Conn* c) {
 void send_error(Conn* c, uint64_t id, proto::Error::Code code, const std::string& message,
                 bool close_after);
 
+size_t held_by(Conn* c) {
+  if (c->closing) return 0;
+  const size_t unread =
+      c->sink ? 0 : uv_stream_get_write_queue_size(reinterpret_cast<uv_stream_t*>(&c->pipe));
+  return c->frames.held_bytes() + unread;
+}
+
+// Closes the clients holding the most until all together hold at most kMaxHeldBytesAll. A closed
+// client's memory goes when libuv has closed its handle (its writes are cancelled).
+void bound_held_bytes(Agent* a) {
+  for (;;) {
+    size_t total = 0, top_bytes = 0;
+    Conn* top = nullptr;
+    for (void* p : a->clients_) {
+      auto* c = static_cast<Conn*>(p);
+      const size_t b = held_by(c);
+      total += b;
+      if (b > top_bytes) {
+        top = c;
+        top_bytes = b;
+      }
+    }
+    if (total <= kMaxHeldBytesAll || !top) return;
+    a->count_protocol_error();
+    agent_log("closed the client (pid %d) holding the most memory, %zu bytes: all clients "
+              "together held %zu, more than %zu", int(top->pid), top_bytes, total,
+              kMaxHeldBytesAll);
+    close_conn(top);
+  }
+}
+
 void send(Conn* c, capnp::MessageBuilder& msg, bool close_after) {
   if (c->closing) return;
   std::vector<uint8_t> bytes;
@@ -133,7 +169,9 @@ void send(Conn* c, capnp::MessageBuilder& msg, bool close_after) {
     agent_log("closed a client that left %zu bytes of replies unread (at most %zu)", queued,
               kMaxUnreadReplyBytes);
     close_conn(c);
+    return;
   }
+  bound_held_bytes(c->agent);
 }
 
 void send_error(Conn* c, uint64_t id, proto::Error::Code code, const std::string& message,
@@ -610,6 +648,7 @@ void on_read(uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) {
   const uint64_t served = c->frames_served;
   if (!process_frames(c)) return;
   track_owed(c, c->frames_served != served);
+  bound_held_bytes(c->agent);
 }
 
 void on_connection(uv_stream_t* server, int status) {

@@ -236,3 +236,28 @@ def test_a_cancel_that_cannot_be_done_says_whether_the_task_is_unknown_or_ended(
     text = decode(read_frame(s))
     assert "code = notFound" in text and "no task #99999" in text, text
     s.close()
+
+
+def test_clients_together_hold_a_bounded_amount_of_the_agents_memory(agent):
+    """Each client's buffers are bounded (a frame being received, replies unread), and so are
+    all of them together: past 256 MiB the agent closes the client holding the most, and goes on
+    serving the others."""
+    chunk = b"\0" * (1 << 20)
+    socks, cut = [], 0
+    for _ in range(24):  # each sends 15 MiB of a 16 MiB hello and stops there
+        s = connect(agent)
+        socks.append(s)
+        try:
+            s.sendall(struct.pack("<I", (16 << 20) - 8))
+            for _ in range(15):
+                s.sendall(chunk)
+        except (BrokenPipeError, ConnectionResetError):
+            cut += 1
+    wait_until("the agent to close the clients holding the most",
+               lambda: sum("holding the most memory" in line for line in agent.log_lines()) >= 4)
+    closed = sum("holding the most memory" in line for line in agent.log_lines())
+    assert closed <= 12, f"{closed} clients closed: more than the bound needs"
+    for s in socks:
+        s.close()
+    assert agent.agent.poll() is None, "the agent died"
+    assert agent.ctl_ok("status")
