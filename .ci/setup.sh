@@ -28,6 +28,13 @@ fi
 
 [ "$preset" = --packages ] && exit 0
 
+# cargo from rustup lives in ~/.cargo/bin, which a login shell may not have put on PATH; the
+# configure step looks for it there too (the Rust binding tests need it).
+if ! command -v cargo > /dev/null && [ -x "${HOME:-/root}/.cargo/bin/cargo" ]; then
+  export PATH="${HOME:-/root}/.cargo/bin:$PATH"
+fi
+
 echo "== configuring and building (preset $preset)"
+cd "$root"  # the presets are read from the current directory
 cmake --preset "$preset" -S "$root" > /dev/null
 cmake --build --preset "$preset" -j "$(nproc)"

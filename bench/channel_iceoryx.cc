@@ -1,6 +1,6 @@
 // iceoryx (the C binding): a publisher in the waker, a subscriber in the waiter, which blocks in
 // a WaitSet on "has data" or polls iox_sub_take_chunk. RouDi, the broker every iceoryx process
-// registers with, is started by signal_latency itself (see iceoryx_roudi.h).
+// registers with, is started by signal_latency itself (see its RouDi start-up in signal_latency.cc).
 #include "channel.h"
 
 #ifdef BENCH_HAVE_ICEORYX

@@ -5,11 +5,12 @@
 #   2. the unit and multi-process tests again under AddressSanitizer+UBSan and ThreadSanitizer;
 #   3. every libFuzzer target for a bounded time over its seed corpus.
 #
-#   bash tests/run.sh            # all of the above (about 20-30 minutes on 2 cores)
+#   bash tests/run.sh            # all of the above (about 10 minutes on 2 cores from scratch)
 #   bash tests/run.sh --quick    # step 1 only
 #   BUBBLE_FUZZ_SECONDS=N        # seconds per fuzz target (default 30)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"  # the presets are read from the current directory
 quick=0
 [ "${1:-}" = "--quick" ] && quick=1
 jobs="$(nproc)"
@@ -17,7 +18,9 @@ jobs="$(nproc)"
 "$root/.ci/setup.sh" release
 echo "== tests: release build"
 (cd "$root/build/release" && ctest --output-on-failure -j "$jobs" --timeout 900)
-((quick)) && exit 0
+if ((quick)); then
+  exit 0
+fi
 
 for preset in asan tsan; do
   echo "== tests: $preset build (unit, multi-process and security)"
@@ -34,4 +37,7 @@ echo "== fuzzing: ${BUBBLE_FUZZ_SECONDS:-30} s per target"
 cmake --preset fuzz -S "$root" -DBUBBLE_FUZZ_SECONDS="${BUBBLE_FUZZ_SECONDS:-30}" > /dev/null
 cmake --build --preset fuzz -j "$jobs" --target fuzz_hub_header fuzz_task_page fuzz_control_frame
 (cd "$root/build/fuzz" && ctest --output-on-failure -j "$jobs" -L fuzz)
+if grep -q '^BB_CARGO:FILEPATH=.*NOTFOUND' "$root/build/release/CMakeCache.txt"; then
+  echo "== note: cargo was not found, so the Rust binding tests did not run (install Rust)"
+fi
 echo "== all test stages passed"

@@ -82,8 +82,9 @@ class Env:
         self.agent.wait(timeout=20)
 
     # --- the CLI
-    def ctl(self, *args, check=True, timeout=30, env=None, prefix=()):
-        r = subprocess.run([*prefix, BUBBLECTL, "--socket", self.socket, *args], env=env or self.env,
+    def ctl(self, *args, check=True, timeout=30, env=None, prefix=(), program=None):
+        r = subprocess.run([*prefix, program or BUBBLECTL, "--socket", self.socket, *args],
+                           env=env or self.env,
                            capture_output=True, text=True, timeout=timeout)
         if check and r.returncode != 0:
             raise AssertionError(f"bubblectl {' '.join(args)} failed ({r.returncode}): "

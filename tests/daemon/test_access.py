@@ -1,10 +1,13 @@
 """Only clients of the agent's own uid get in (unless allowed); the socket is created 0600."""
+import atexit
 import os
 import select
+import shutil
 import stat
 import struct
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -12,6 +15,26 @@ from conftest import AGENT_SCHEMA, BUBBLECTL
 
 NOBODY = 65534
 AS_NOBODY = ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
+_reachable = {}
+
+
+def nobody_bubblectl():
+    """A copy of bubblectl that uid 65534 can run: the build tree may sit under a directory
+    only its owner may enter (root's home is 0700 on Debian). bubblectl links only system
+    libraries, so the copy runs as is."""
+    if "path" not in _reachable:
+        d = tempfile.mkdtemp(prefix="bb-nobody-")
+        os.chmod(d, 0o755)
+        path = os.path.join(d, "bubblectl")
+        shutil.copy2(BUBBLECTL, path)
+        os.chmod(path, 0o755)
+        atexit.register(shutil.rmtree, d, True)
+        _reachable["path"] = path
+    return _reachable["path"]
+
+
+def ctl_as_nobody(env, *args):
+    return env.ctl(*args, check=False, prefix=AS_NOBODY, program=nobody_bubblectl())
 
 
 @pytest.fixture
@@ -39,7 +62,7 @@ def test_other_uid_cannot_reach_the_socket(rooted):
     env = rooted
     env.start_agent()
     os.chmod(env.root, 0o755)
-    r = env.ctl("list", check=False, prefix=AS_NOBODY)
+    r = ctl_as_nobody(env, "list")
     assert r.returncode != 0
     assert "permission denied" in r.stderr
 
@@ -48,7 +71,7 @@ def test_other_uid_is_refused_by_peer_credentials(rooted):
     env = rooted
     env.start_agent()
     open_up(env)
-    r = env.ctl("list", check=False, prefix=AS_NOBODY)
+    r = ctl_as_nobody(env, "list")
     assert r.returncode != 0
     assert f"uid {NOBODY} may not use this agent" in r.stderr
     assert "--allow-uid" in r.stderr
@@ -60,7 +83,7 @@ def test_allowed_uid_gets_in(rooted):
     env = rooted
     env.start_agent("--allow-uid", str(NOBODY))
     open_up(env)
-    r = env.ctl("list", check=False, prefix=AS_NOBODY)
+    r = ctl_as_nobody(env, "list")
     assert r.returncode == 0, r.stderr
 
 
@@ -74,11 +97,11 @@ def test_allowed_uid_watches_but_cannot_change_what_runs(rooted):
     for args, what in ((("submit", "--", "/bin/true"), "submit tasks"),
                        (("cancel", str(tid)), "cancel tasks"),
                        (("drain",), "drain hubs")):
-        r = env.ctl(*args, check=False, prefix=AS_NOBODY)
+        r = ctl_as_nobody(env, *args)
         assert r.returncode != 0, args
         assert f"uid {NOBODY} may watch this agent (--allow-uid) but not {what}" in r.stderr
         assert "run your own `bubbled`" in r.stderr
-    r = env.ctl("list", "--all", check=False, prefix=AS_NOBODY)
+    r = ctl_as_nobody(env, "list", "--all")
     assert r.returncode == 0, r.stderr
     assert "sleep" in r.stdout
     # Nothing was submitted, cancelled or drained by the refused requests.
@@ -158,5 +181,5 @@ def test_an_allowed_uid_cannot_take_every_connection_from_the_owner(rooted):
             guest.kill()
             guest.wait()
     # And the guest gets in again once its connections are gone.
-    r = env.ctl("list", check=False, prefix=AS_NOBODY)
+    r = ctl_as_nobody(env, "list")
     assert r.returncode == 0, r.stderr

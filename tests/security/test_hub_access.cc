@@ -10,6 +10,7 @@
 #include <sys/un.h>
 
 #include <cstring>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -31,11 +32,39 @@ bool root() {
   return false;
 }
 
+// A copy of the probe that any uid can run: the build tree may sit under a directory only its
+// owner may enter (root's home is 0700 on Debian). The probe links only system libraries.
+// Removed when the tests end.
+const std::string& reachable_probe() {
+  struct Copy {
+    std::string dir, path;
+    Copy() {
+      char tmpl[] = "/tmp/bb-probe-XXXXXX";
+      REQUIRE(mkdtemp(tmpl) != nullptr);
+      dir = tmpl;
+      path = dir + "/probe";
+      REQUIRE(chmod(dir.c_str(), 0755) == 0);
+      std::ifstream in(BB_SECURITY_PROBE, std::ios::binary);
+      std::ofstream out(path, std::ios::binary);
+      out << in.rdbuf();
+      out.close();
+      REQUIRE(out.good());
+      REQUIRE(chmod(path.c_str(), 0755) == 0);
+    }
+    ~Copy() {
+      unlink(path.c_str());
+      rmdir(dir.c_str());
+    }
+  };
+  static Copy copy;
+  return copy.path;
+}
+
 // Runs the probe as uid/gid 65534 with no supplementary groups; returns its RESULT line.
 std::string as_nobody(const std::vector<std::string>& args, uint32_t uid = kNobody) {
   std::vector<std::string> argv = {"/usr/bin/setpriv", "--reuid=" + std::to_string(uid),
                                    "--regid=" + std::to_string(uid), "--clear-groups",
-                                   BB_SECURITY_PROBE};
+                                   reachable_probe()};
   argv.insert(argv.end(), args.begin(), args.end());
   Child c(argv);
   std::string line = c.wait_line("RESULT", 20000);
