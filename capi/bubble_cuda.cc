@@ -56,6 +56,8 @@ BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_tim
     return BB_OK;
   } catch (const std::bad_alloc&) {
     return fail(BB_E_NOMEM, "out of memory");
+  } catch (const std::exception& e) {  // no thread for the watcher (a thread limit), say
+    return fail(BB_E_SYSTEM, "cannot open stream timing: %s", e.what());
   }
 }
 

@@ -186,7 +186,10 @@ StreamTimingImpl::~StreamTimingImpl() {
 
 bb_status StreamTimingImpl::push(void* stream, const Mark& m, uint64_t* mark, std::string* error) {
   const uint64_t t = tail_.load(std::memory_order_relaxed);
-  if (t - head_.load(std::memory_order_acquire) >= ring_.size()) {
+  // A begin is taken only with room for its end as well: a begin applied with its end refused
+  // would leave the bubble open through the compute that follows.
+  const uint64_t need = m.type == kBegin ? 2 : 1;
+  if (t - head_.load(std::memory_order_acquire) + need > ring_.size()) {
     dropped_.fetch_add(1, std::memory_order_relaxed);
     *error = "the GPU is " + std::to_string(ring_.size()) + " bubble marks behind this thread: "
              "the mark was dropped; raise marks in the stream-timing options";

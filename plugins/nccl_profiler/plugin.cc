@@ -8,6 +8,8 @@
 #include <atomic>
 #include <cstdio>
 #include <cstring>
+#include <exception>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -28,7 +30,10 @@ struct Context {
   int comm_rank;
 };
 
-// One hub and one tracker per process, shared by every communicator.
+// One hub per process while a communicator uses it, shared by every communicator, and one
+// tracker for the life of the process: NCCL's threads may still deliver events of a communicator
+// whose init failed (the event mask is NCCL's, not the communicator's) after the last one that
+// opened the hub went away, so the tracker is never freed; it only stops reporting to the hub.
 std::mutex g_mu;
 int g_refs = 0;
 RankHub* g_hub = nullptr;
@@ -39,10 +44,10 @@ void log(ncclDebugLogger_t logfn, ncclDebugLogLevel level, const std::string& ms
   if (logfn) logfn(level, kNcclLogInit, __FILE__, __LINE__, "PROFILER/bubble: %s", msg.c_str());
 }
 
-ncclResult_t init_common(void** context, int* mask, int comm_rank, ncclDebugLogger_t logfn) {
-  *context = nullptr;
-  *mask = 0;
-  std::lock_guard<std::mutex> lock(g_mu);
+ncclResult_t init_locked(void** context, int* mask, int comm_rank, ncclDebugLogger_t logfn) {
+  // Allocated first: nothing to undo if it fails.
+  auto ctx = std::make_unique<Context>(Context{comm_rank});
+  static RecvWaits* const waits = new RecvWaits(nullptr);  // for good: see above
   if (g_refs == 0) {
     HubConfig cfg;
     std::string error, warning;
@@ -60,24 +65,39 @@ ncclResult_t init_common(void** context, int* mask, int comm_rank, ncclDebugLogg
     }
     g_hub = hub;
     g_pid = getpid();
-    g_waits.store(new RecvWaits(hub), std::memory_order_release);
+    waits->set_sink(hub);
+    g_waits.store(waits, std::memory_order_release);
     log(logfn, NCCL_LOG_INFO,
         "reporting receive waits to hub " + cfg.job + "." + std::to_string(cfg.rank) +
             " (rank from " + cfg.rank_source + ")");
   }
   ++g_refs;
-  *context = new Context{comm_rank};
+  *context = ctx.release();
   *mask = kMask;
   return ncclSuccess;
 }
 
+ncclResult_t init_common(void** context, int* mask, int comm_rank, ncclDebugLogger_t logfn) {
+  *context = nullptr;
+  *mask = 0;
+  // Nothing may be thrown into NCCL: an allocation that fails disables the plugin instead.
+  try {
+    std::lock_guard<std::mutex> lock(g_mu);
+    return init_locked(context, mask, comm_rank, logfn);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "libnccl-profiler-bubble: disabled: %s\n", e.what());
+    return ncclInternalError;
+  }
+}
+
 ncclResult_t finalize(void* context) {
+  if (!context) return ncclSuccess;  // an init that failed counted nothing
   delete static_cast<Context*>(context);
   std::lock_guard<std::mutex> lock(g_mu);
   if (g_refs > 0 && --g_refs == 0) {
-    RecvWaits* w = g_waits.exchange(nullptr, std::memory_order_acq_rel);
-    if (w) w->reset();  // closes a bubble left open by a communicator torn down mid-receive
-    delete w;
+    // Closes a bubble left open by a communicator torn down mid-receive, and waits for any call
+    // still reporting to the hub before it goes.
+    if (RecvWaits* w = g_waits.exchange(nullptr, std::memory_order_acq_rel)) w->set_sink(nullptr);
     delete g_hub;
     g_hub = nullptr;
   }

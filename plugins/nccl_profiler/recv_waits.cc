@@ -84,10 +84,10 @@ void RecvWaits::set_waiting(P2p* r, int channel, bool on) {
   if (on) {
     if (waiting_++ == 0) {
       ++waits_begun_;
-      sink_->wait_begins();
+      if (sink_) sink_->wait_begins();
     }
   } else if (--waiting_ == 0) {
-    sink_->wait_ends();
+    if (sink_) sink_->wait_ends();
   }
 }
 
@@ -193,6 +193,14 @@ void RecvWaits::reset() {
   for (P2p& r : pool_)
     if (r.in_use) release(&r);
   next_ = 0;
+}
+
+void RecvWaits::set_sink(WaitSink* sink) {
+  std::lock_guard<std::mutex> lock(mu_);  // every use of sink_ holds it
+  for (P2p& r : pool_)
+    if (r.in_use) release(&r);
+  next_ = 0;
+  sink_ = sink;
 }
 
 int RecvWaits::waiting() const {

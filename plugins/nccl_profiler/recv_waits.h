@@ -60,6 +60,9 @@ class RecvWaits {
 
   // Ends an open wait and forgets every record (the last communicator went away).
   void reset();
+  // Ends an open wait, forgets every record and reports to sink from now on (nullptr: nowhere).
+  // Returns once no call is using the old sink, which may then be destroyed.
+  void set_sink(WaitSink* sink);
 
   // Observability for tests and logs.
   int waiting() const;

@@ -204,6 +204,27 @@ TEST_CASE("stream_marks_never_wait_for_a_gpu_that_lags_behind") {
                                   nullptr) == BB_OK);
 }
 
+TEST_CASE("a_stream_begin_is_taken_only_with_room_for_its_end") {
+  Double dbl;
+  RuntimeDir rt;
+  Hub hub(rt, ("st-pair-" + std::to_string(getpid())).c_str());
+  Timing timing(hub.trainer, 4);
+  REQUIRE(bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                    nullptr) == BB_OK);
+  REQUIRE(bb_bubble_end_on_stream(timing.h, kStream, nullptr) == BB_OK);
+  REQUIRE(bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                    nullptr) == BB_OK);
+  // One slot left: it is the end's of the begin just taken, so a further begin is refused
+  CHECK(bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                  nullptr) == BB_E_FULL);
+  // ... and that end is not (refused, the bubble would stay open through the next compute).
+  CHECK(bb_bubble_end_on_stream(timing.h, kStream, nullptr) == BB_OK);
+  dbl.progress(kStream, -1);
+  CHECK(eventually([&] { return timing.stats().ends == 2; }));
+  CHECK(hub.bubbles() == 2);
+  CHECK_FALSE(hub.in_bubble());
+}
+
 TEST_CASE("stream_mark_event_is_seen_by_another_process_through_its_ipc_handle") {
   Double dbl;
   RuntimeDir rt;

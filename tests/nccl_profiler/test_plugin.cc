@@ -324,11 +324,19 @@ TEST_CASE("plugin_receives_of_two_communicators_share_one_hub_and_one_bubble") {
   CHECK_FALSE(hub.snap().in_bubble);
   CHECK(hub.snap().bubbles == 1);
 
+  // A finalize of a context NCCL never got (its init failed) counts nothing.
+  CHECK(pl.v5->finalize(nullptr) == ncclSuccess);
   pl.finalize(world);
   CHECK(hub.obs->alive());  // the other communicator still uses the hub
+  void* kc = b.kernel_channel(b.enqueue("Recv", 2, 1), 0);
+  CHECK(hub.snap().in_bubble);
   pl.finalize(pair);
   CHECK(eventually([&] { return !hub.obs->alive(); }));
   CHECK(rt.files().empty());
+  // Events that come after the last communicator went away (NCCL's threads of one whose init
+  // failed, say) reach no hub, and harm nothing.
+  b.kernel_channel_done(kc);
+  b.stop(b.enqueue("Recv", 2, 1));
 }
 
 TEST_CASE("plugin_communicator_torn_down_mid_receive_closes_the_bubble") {

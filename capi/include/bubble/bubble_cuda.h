@@ -49,7 +49,8 @@ BB_API bb_status bb_stream_timing_close(bb_stream_timing_h timing);
  * is the legacy default stream). Arguments as bb_bubble_begin. One cuEventRecord: no wait, no
  * synchronization; call from one thread at a time where the stream's context is current (any
  * thread that uses the CUDA runtime on that device). *mark (may be NULL) receives the mark's
- * number, for bb_stream_timing_event_handle. BB_E_FULL when the GPU is `marks` marks behind. */
+ * number, for bb_stream_timing_event_handle. BB_E_FULL when the GPU is `marks` marks behind (a
+ * begin needs room for its end too, so the end of a begin taken is never refused). */
 BB_API bb_status bb_bubble_begin_on_stream(bb_stream_timing_h timing, void *stream,
                                            uint64_t expected_ns, uint64_t free_mem,
                                            bb_bubble_kind kind, uint64_t *mark);
