@@ -33,6 +33,8 @@ struct CudaEventApi {
   decltype(&::cuStreamWaitEvent) StreamWaitEvent = nullptr;
   decltype(&::cuIpcGetEventHandle) IpcGetEventHandle = nullptr;
   decltype(&::cuIpcOpenEventHandle) IpcOpenEventHandle = nullptr;
+  decltype(&::cuStreamIsCapturing) StreamIsCapturing = nullptr;
+  decltype(&::cuThreadExchangeStreamCaptureMode) ThreadExchangeStreamCaptureMode = nullptr;
 
   static bb_status resolve(const CudaDriver& drv, CudaEventApi* out, std::string* error);
 };
@@ -126,6 +128,9 @@ bb_status CudaEventApi::resolve(const CudaDriver& drv, CudaEventApi* out, std::s
   BB_EVENT_RESOLVE_(StreamWaitEvent, "cuStreamWaitEvent", "cuStreamWaitEvent")
   BB_EVENT_RESOLVE_(IpcGetEventHandle, "cuIpcGetEventHandle", "cuIpcGetEventHandle")
   BB_EVENT_RESOLVE_(IpcOpenEventHandle, "cuIpcOpenEventHandle", "cuIpcOpenEventHandle")
+  BB_EVENT_RESOLVE_(StreamIsCapturing, "cuStreamIsCapturing", "cuStreamIsCapturing")
+  BB_EVENT_RESOLVE_(ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode",
+                    "cuThreadExchangeStreamCaptureMode")
 #undef BB_EVENT_RESOLVE_
   *out = api;
   return BB_OK;
@@ -194,6 +199,16 @@ bb_status StreamTimingImpl::push(void* stream, const Mark& m, uint64_t* mark, st
     *error = "the GPU is " + std::to_string(ring_.size()) + " bubble marks behind this thread: "
              "the mark was dropped; raise marks in the stream-timing options";
     return BB_E_FULL;
+  }
+  // Recorded on a stream being captured into a CUDA graph, the event would become a node of the
+  // graph, reached when the graph runs, never as a mark of this stream: the watcher would wait
+  // for it in vain (and an end would come at once instead of when the GPU gets there).
+  CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
+  if (api_.StreamIsCapturing(static_cast<CUstream>(stream), &capture) == CUDA_SUCCESS &&
+      capture != CU_STREAM_CAPTURE_STATUS_NONE) {
+    *error = "the stream is being captured into a CUDA graph, where a bubble mark is never "
+             "reached as such: mark the bubble outside the capture (around the graph's launch)";
+    return BB_E_STATE;
   }
   const size_t slot = size_t(t % ring_.size());
   const CUresult rc = api_.EventRecord(events_[slot], static_cast<CUstream>(stream));
@@ -268,6 +283,11 @@ void StreamTimingImpl::watch() {
   // Polls sleep poll_ns; the default timer slack (50 us) would stretch every one of them.
   prctl(PR_SET_TIMERSLACK, 1000ul, 0, 0, 0);
   CudaContextScope scope(drv_, ctx_.get());
+  // Relaxed capture mode for this thread: its event queries are then no "unsafe call" to a
+  // graph capture in global mode (the default of torch.cuda.graph and the CUDA runtime) that
+  // the application runs meanwhile on any other thread, which they would invalidate.
+  CUstreamCaptureMode relaxed = CU_STREAM_CAPTURE_MODE_RELAXED;
+  api_.ThreadExchangeStreamCaptureMode(&relaxed);
   const timespec poll{time_t(opts_.poll_ns / 1000000000ull), long(opts_.poll_ns % 1000000000ull)};
   while (!stop_.load(std::memory_order_acquire)) {
     const uint64_t h = head_.load(std::memory_order_relaxed);

@@ -132,6 +132,8 @@ struct State {
   std::map<CUstream, std::deque<std::pair<CUevent, uint64_t>>> pending;
   std::set<CUstream> streams;
   std::map<CUstream, std::vector<PendingMemset>> memsets;
+  // Streams a test says are being captured into a graph (in global mode), and how it stands.
+  std::map<CUstream, CUstreamCaptureStatus> captures;
 
   void read_env() {
     auto num = [](const char* name, long dflt) {
@@ -364,6 +366,20 @@ __attribute__((visibility("default"))) int bbdouble_stream_progress(void* stream
     ++done;
   }
   return done;
+}
+
+__attribute__((visibility("default"))) void bbdouble_stream_capture(void* stream, int capturing) {
+  std::lock_guard<std::mutex> lock(st().mu);
+  if (capturing)
+    st().captures[static_cast<CUstream>(stream)] = CU_STREAM_CAPTURE_STATUS_ACTIVE;
+  else
+    st().captures.erase(static_cast<CUstream>(stream));
+}
+
+__attribute__((visibility("default"))) int bbdouble_stream_capture_status(void* stream) {
+  std::lock_guard<std::mutex> lock(st().mu);
+  auto it = st().captures.find(static_cast<CUstream>(stream));
+  return it == st().captures.end() ? int(CU_STREAM_CAPTURE_STATUS_NONE) : int(it->second);
 }
 
 __attribute__((visibility("default"))) int bbdouble_stream_pending(void* stream) {
@@ -874,9 +890,40 @@ CUresult CUDAAPI cuEventRecord(CUevent e, CUstream stream) {
   return c.ret(CUDA_SUCCESS);
 }
 
+// The calling thread's capture mode (cuThreadExchangeStreamCaptureMode); the driver's default.
+thread_local CUstreamCaptureMode t_capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+
+CUresult CUDAAPI cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus* status) {
+  Call c("cuStreamIsCapturing");
+  c.arg("stream", reinterpret_cast<uintptr_t>(stream));
+  if (!status) return c.violation(CUDA_ERROR_INVALID_VALUE, "status is NULL");
+  auto it = st().captures.find(stream);
+  *status = it == st().captures.end() ? CU_STREAM_CAPTURE_STATUS_NONE : it->second;
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode* mode) {
+  Call c("cuThreadExchangeStreamCaptureMode");
+  if (!mode) return c.violation(CUDA_ERROR_INVALID_VALUE, "mode is NULL");
+  c.arg("mode", uint64_t(*mode));
+  std::swap(*mode, t_capture_mode);
+  return c.ret(CUDA_SUCCESS);
+}
+
 CUresult CUDAAPI cuEventQuery(CUevent e) {
   Call c("cuEventQuery");
   if (!valid_event(e)) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live event");
+  // As the driver: while a stream is captured in global mode, a query from a thread not in
+  // relaxed mode is unsafe, fails, and invalidates the capture (the graph is lost).
+  if (t_capture_mode != CU_STREAM_CAPTURE_MODE_RELAXED) {
+    bool broke = false;
+    for (auto& [stream, status] : st().captures)
+      if (status == CU_STREAM_CAPTURE_STATUS_ACTIVE) {
+        status = CU_STREAM_CAPTURE_STATUS_INVALIDATED;
+        broke = true;
+      }
+    if (broke) return c.ret(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+  }
   return c.ret(e->sh->done.load() >= e->sh->recorded.load() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY);
 }
 
@@ -1056,6 +1103,7 @@ CUresult CUDAAPI cuGetProcAddress(const char* symbol, void** pfn, int version, c
       BBD_ENTRY_(cuMemAddressFree), BBD_ENTRY_(cuMemMap), BBD_ENTRY_(cuMemUnmap),
       BBD_ENTRY_(cuMemSetAccess), BBD_ENTRY_(cuEventCreate), BBD_ENTRY_(cuEventRecord),
       BBD_ENTRY_(cuEventQuery), BBD_ENTRY_(cuEventDestroy), BBD_ENTRY_(cuStreamWaitEvent),
+      BBD_ENTRY_(cuStreamIsCapturing), BBD_ENTRY_(cuThreadExchangeStreamCaptureMode),
       BBD_ENTRY_(cuIpcGetEventHandle), BBD_ENTRY_(cuIpcOpenEventHandle),
       BBD_ENTRY_(cuStreamCreate), BBD_ENTRY_(cuStreamDestroy), BBD_ENTRY_(cuMemsetD8Async),
       BBD_ENTRY_(cuStreamSynchronize),

@@ -69,6 +69,13 @@ size_t bbdouble_violations(char *buf, size_t cap);
 int bbdouble_stream_progress(void *stream, int n);
 int bbdouble_stream_pending(void *stream);
 
+/* Graph capture. bbdouble_stream_capture marks a stream as being captured in global mode (or no
+ * longer); cuStreamIsCapturing reports it. As with the driver, a cuEventQuery from a thread not
+ * in relaxed mode (cuThreadExchangeStreamCaptureMode) meanwhile fails and invalidates the
+ * capture, which bbdouble_stream_capture_status then says (a CUstreamCaptureStatus). */
+void bbdouble_stream_capture(void *stream, int capturing);
+int bbdouble_stream_capture_status(void *stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -31,6 +31,8 @@ struct Double {
   void (*outstanding)(bbdouble_counts*) = nullptr;
   size_t (*violations)(char*, size_t) = nullptr;
   size_t (*log)(char*, size_t) = nullptr;
+  void (*capture)(void*, int) = nullptr;
+  int (*capture_status)(void*) = nullptr;
   bb::core::CudaPrimaryContext ctx;
   std::unique_ptr<bb::core::CudaContextScope> scope;
 
@@ -47,7 +49,11 @@ struct Double {
     outstanding = reinterpret_cast<void (*)(bbdouble_counts*)>(dlsym(lib, "bbdouble_outstanding"));
     violations = reinterpret_cast<size_t (*)(char*, size_t)>(dlsym(lib, "bbdouble_violations"));
     log = reinterpret_cast<size_t (*)(char*, size_t)>(dlsym(lib, "bbdouble_log"));
+    capture = reinterpret_cast<void (*)(void*, int)>(dlsym(lib, "bbdouble_stream_capture"));
+    capture_status = reinterpret_cast<int (*)(void*)>(dlsym(lib, "bbdouble_stream_capture_status"));
     REQUIRE(bool(log));
+    REQUIRE(bool(capture));
+    REQUIRE(bool(capture_status));
     REQUIRE(bool(progress));
     REQUIRE(bool(outstanding));
     // The training thread works with its device's context current, as the CUDA runtime has it.
@@ -202,6 +208,30 @@ TEST_CASE("stream_marks_never_wait_for_a_gpu_that_lags_behind") {
   // Room again.
   CHECK(bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
                                   nullptr) == BB_OK);
+}
+
+TEST_CASE("stream_timing_keeps_out_of_cuda_graph_captures") {
+  Double dbl;
+  RuntimeDir rt;
+  Hub hub(rt, ("st-graph-" + std::to_string(getpid())).c_str());
+  Timing timing(hub.trainer);
+  void* const captured = reinterpret_cast<void*>(0x6a7a);
+  dbl.capture(captured, 1);
+  // A mark on a stream being captured would be a node of the graph, never reached as a mark.
+  CHECK(bb_bubble_begin_on_stream(timing.h, captured, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                  nullptr) == BB_E_STATE);
+  CHECK(std::string(bb_last_error()).find("CUDA graph") != std::string::npos);
+  CHECK(dbl.pending(captured) == 0);
+  // While that capture goes on, the watcher polls a mark of another stream. In the driver's
+  // default (global) mode its queries would invalidate the capture; it polls in relaxed mode.
+  REQUIRE(bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                    nullptr) == BB_OK);
+  REQUIRE(dbl.watcher_polled());
+  CHECK(dbl.capture_status(captured) == int(CU_STREAM_CAPTURE_STATUS_ACTIVE));
+  dbl.capture(captured, 0);
+  dbl.progress(kStream, -1);
+  CHECK(eventually([&] { return hub.in_bubble(); }));
+  CHECK(timing.stats().query_errors == 0);
 }
 
 TEST_CASE("a_stream_begin_is_taken_only_with_room_for_its_end") {

@@ -10,6 +10,11 @@
  * every poll_ns (default 10 us): that, plus about a microsecond for the query, is the latency
  * added over the device's own timeline; between bubbles it sleeps.
  *
+ * CUDA graphs: a mark on a stream being captured into a graph is refused (BB_E_STATE), since it
+ * would become a node of the graph rather than a point of the stream; mark bubbles around the
+ * graph's launch. The watcher's event queries run in relaxed capture mode, so they never
+ * invalidate a capture the application makes meanwhile (in the default, global mode).
+ *
  * The CUDA driver is loaded at run time as for memory grants; without one these functions fail
  * with BB_E_UNSUPPORTED. The naming contract of bubble.h applies.
  */
@@ -38,7 +43,10 @@ BB_API void bb_stream_timing_options_init(bb_stream_timing_options_t *opts);
 /* Starts stream timing for a trainer: creates the events and the watcher thread ("bb-stream",
  * which blocks asynchronous signals like the hub's service thread). From then on
  * the watcher thread is the trainer's bubble thread: do not call bb_bubble_begin/end on this
- * trainer yourself while it is open. opts may be NULL. Close it before bb_trainer_close. */
+ * trainer yourself while it is open, nor the other calls bubble.h reserves to the bubble thread
+ * (bb_trainer_iteration, bb_trainer_set_schedule): the prediction then goes by bubble position
+ * alone, or set the schedule before opening. opts may be NULL. Close it before
+ * bb_trainer_close. */
 BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_timing_options_t *opts,
                                        bb_stream_timing_h *out);
 /* Stops the watcher (ending a bubble it opened; marks the GPU has not reached are dropped) and
