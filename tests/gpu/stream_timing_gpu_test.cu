@@ -90,6 +90,27 @@ int main() {
               (unsigned long long)st.begins, (unsigned long long)st.ends,
               (unsigned long long)(st.lag_max_ns / 1000));
   expect(st.begins == 1 && st.ends == 1, "one begin and one end applied");
+
+  // CUDA graphs: while the watcher polls a pending mark, a capture in global mode (the default)
+  // on another stream must survive; a mark on the stream being captured is refused.
+  cudaStream_t cap;
+  cudaStreamCreateWithFlags(&cap, cudaStreamNonBlocking);
+  spin<<<1, 1, 0, s>>>(cycles_300ms);
+  bb_bubble_begin_on_stream(timing, s, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY, nullptr);
+  bool began = cudaStreamBeginCapture(cap, cudaStreamCaptureModeGlobal) == cudaSuccess;
+  expect(began, "a graph capture begins");
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the watcher polls meanwhile
+  spin<<<1, 1, 0, cap>>>(1000);
+  expect(bb_bubble_begin_on_stream(timing, cap, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY, nullptr) ==
+             BB_E_STATE,
+         "a mark on a stream being captured is refused");
+  cudaGraph_t graph = nullptr;
+  expect(began && cudaStreamEndCapture(cap, &graph) == cudaSuccess && graph != nullptr,
+         "the capture was not invalidated by the watcher's queries");
+  if (graph) cudaGraphDestroy(graph);
+  bb_bubble_end_on_stream(timing, s, nullptr);
+  cudaStreamSynchronize(s);
+  cudaStreamDestroy(cap);
   bb_stream_timing_close(timing);
   obs.reset();
   bb_trainer_close(trainer);
