@@ -77,6 +77,8 @@ bool wait_for(const std::function<bool()>& cond, uint64_t timeout_ns) {
   }
 }
 
+void precise_sleeps() { prctl(PR_SET_TIMERSLACK, 1); }
+
 Child::Child(int cpu, std::function<int()> fn) {
   std::fflush(nullptr);  // or the child would flush the parent's buffered output again
   const pid_t parent = getpid();
@@ -85,7 +87,8 @@ Child::Child(int cpu, std::function<int()> fn) {
   if (pid_ == 0) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(99);
-    prctl(PR_SET_TIMERSLACK, 1);
+    // The timer slack stays the default: a task's timed sleeps (predictive wake) end as late as
+    // they would in any process. The sides that only keep a schedule ask for precise_sleeps().
     if (!pin_cpu(cpu)) {
       std::fprintf(stderr, "cannot pin to CPU %d: %s\n", cpu, std::strerror(errno));
       _exit(98);

@@ -28,6 +28,9 @@ Summary summarize(std::vector<uint64_t> samples);
 
 // Pins the calling thread (and threads it creates later) to one CPU; false if that failed.
 bool pin_cpu(int cpu);
+// Timed sleeps of the calling thread end on time (1 ns of timer slack instead of 50 us): for a
+// waker or trainer keeping a schedule, never for a measured task.
+void precise_sleeps();
 
 // Spins until bb_now_ns() >= t.
 void spin_until(uint64_t t_ns);

@@ -31,6 +31,9 @@ class Channel {
   // Waker child.
   virtual bool setup_waker(std::string* why) = 0;
   virtual bool signal() = 0;
+  // Called before the stamp of each signal: what a sender prepares ahead (a buffer it borrows)
+  // is not part of the wake-up, as libbubble's start block is there before its stamp.
+  virtual bool prepare_signal() { return true; }
 
   // Waiter child: set up, call ready() once signals will arrive, then call on_wake() for every
   // signal received (stamping comes first thing inside it) until it returns false.

@@ -113,6 +113,7 @@ bool run_channel(Channel& ch, bool busy, size_t n, std::vector<uint64_t>* out, s
       return rc;
     });
     Child waker(kWakerCpu, [&]() -> int {
+      precise_sleeps();
       std::string err;
       if (!ch.setup_waker(&err)) {
         std::fprintf(stderr, "%s: %s\n", ch.name(), err.c_str());
@@ -126,6 +127,7 @@ bool run_channel(Channel& ch, bool busy, size_t n, std::vector<uint64_t>* out, s
           return 3;
         if (period_ns) sleep_until(first + k * period_ns);
         else spin_until(bb_now_ns() + gap);
+        if (!ch.prepare_signal()) return 4;
         stamps.sent.data()[k] = bb_now_ns();
         if (!ch.signal()) return 4;
       }
@@ -157,7 +159,8 @@ struct BubbleCtl {
   alignas(64) std::atomic<uint64_t> started;
   alignas(64) std::atomic<uint64_t> acked;
   // Results.
-  std::atomic<uint64_t> wait_cpu_ns, proc_cpu_ns, wall_ns, starts, wakes, unit_ns_x1000;
+  std::atomic<uint64_t> wait_cpu_ns, wait_wall_ns, proc_cpu_ns, wall_ns, starts, wakes,
+      unit_ns_x1000;
   std::atomic<uint64_t> rt_pause_p50, rt_pause_p99;
 };
 
@@ -228,6 +231,7 @@ bool run_bubble_start(bb_wake_mode mode, size_t n, const RuntimeDir& dir,
       return 0;
     });
     Child trainer(kWakerCpu, [&]() -> int {
+      precise_sleeps();
       Stamps::prefault(stamps.sent);
       bb_trainer_h t = open_trainer(&*c);
       if (!wait_for([&] { return c->attached.load() != 0; }, 10 * kSecond)) return 2;
@@ -339,6 +343,7 @@ bool run_pause(bool iterative, size_t n, const RuntimeDir& dir, PauseResult* r, 
       return 0;
     });
     Child trainer(kWakerCpu, [&]() -> int {
+      precise_sleeps();
       Stamps::prefault(stamps.sent);
       bb_trainer_h t = open_trainer(&*c);
       if (!wait_for([&] { return c->attached.load() != 0; }, 10 * kSecond)) return 2;
@@ -380,11 +385,14 @@ bool run_pause(bool iterative, size_t n, const RuntimeDir& dir, PauseResult* r, 
 struct PeriodicResult {
   std::vector<uint64_t> lat;         // bb_bubble_begin's caller stamp -> wait_start returned
   std::vector<uint64_t> begin_cost;  // the trainer's bb_bubble_begin call, stamp to return
-  uint64_t wait_cpu_ns = 0, proc_cpu_ns = 0, wall_ns = 0, starts = 0, wakes = 0;
+  uint64_t wait_cpu_ns = 0, wait_wall_ns = 0, proc_cpu_ns = 0, wall_ns = 0, starts = 0, wakes = 0;
   std::string why;  // the last failed round's reason
   int failed_rounds = 0;
 
-  double wait_cpu_share() const { return wall_ns ? double(wait_cpu_ns) / double(wall_ns) : 0; }
+  // Of the time the task spent waiting (inside bb_task_wait_start), the share its thread ran.
+  double wait_cpu_share() const {
+    return wait_wall_ns ? double(wait_cpu_ns) / double(wait_wall_ns) : 0;
+  }
   double proc_cpu_share() const { return wall_ns ? double(proc_cpu_ns) / double(wall_ns) : 0; }
   // Wakes include the pause wakes of end, which a task polling should_pause never needs.
   double woken_share() const { return starts ? double(wakes) / double(starts) : 0; }
@@ -420,9 +428,11 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
       bb_task_h t = attach_task(&*c, mode);
       bb_start_info_t info{sizeof info};
       size_t k = 0;
-      uint64_t wait_cpu = 0, cpu_start = 0, wall_start = 0, cpu_end = 0, wall_end = 0;
+      uint64_t wait_cpu = 0, wait_wall = 0, cpu_start = 0, wall_start = 0, cpu_end = 0,
+               wall_end = 0;
       for (;;) {
         const uint64_t cpu0 = thread_cpu_ns();
+        const uint64_t t0 = bb_now_ns();
         if (bb_task_wait_start(t, -1, &info) != BB_OK) break;
         const uint64_t t1 = bb_now_ns();
         if (k == kWarmup) {
@@ -431,6 +441,7 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
         }
         if (k >= kWarmup) {
           wait_cpu += thread_cpu_ns() - cpu0;
+          wait_wall += t1 - t0;
           if (k - kWarmup < cap) {
             seen.data()[k - kWarmup] = t1;
             seen_seq.data()[k - kWarmup] = info.bubble_seq;
@@ -449,11 +460,13 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
       c->wall_ns.store(wall_end - wall_start);
       c->proc_cpu_ns.store(cpu_end - cpu_start);
       c->wait_cpu_ns.store(wait_cpu);
+      c->wait_wall_ns.store(wait_wall);
       c->acked.store(k);
       bb_task_detach(t);
       return 0;
     });
     Child trainer(kWakerCpu, [&]() -> int {
+      precise_sleeps();
       Stamps::prefault(begun);
       Stamps::prefault(begin_cost);
       bb_trainer_h t = open_trainer(&*c);
@@ -504,6 +517,7 @@ bool run_periodic(bb_wake_mode mode, Use use, uint64_t duration_ns, uint64_t per
   r->begin_cost.insert(r->begin_cost.end(), b.begin(), b.end());
   r->wall_ns += c->wall_ns.load();
   r->wait_cpu_ns += c->wait_cpu_ns.load();
+  r->wait_wall_ns += c->wait_wall_ns.load();
   r->proc_cpu_ns += c->proc_cpu_ns.load();
   r->starts += c->starts.load();
   r->wakes += c->wakes.load();
@@ -599,7 +613,8 @@ class Roudi {
 struct Row {
   std::string name;
   std::vector<uint64_t> samples;
-  std::string why;  // not measured: why
+  std::string why;  // not measured: why (or the last failed round's reason)
+  int failed_rounds = 0;  // rounds whose samples were dropped (a lost wake-up ends a round)
 };
 
 const char kUsage[] =
@@ -624,6 +639,12 @@ void print_latency_table(const char* title, const std::vector<Row>& rows, double
                 fmt_us(s.p50).c_str(), fmt_us(s.p99).c_str(), fmt_us(s.p999).c_str(),
                 fmt_us(s.max).c_str(), floor_p50 > 0 ? s.p50 / floor_p50 : 0);
   }
+  // A failed round's samples are not in its row: say so, or a lost wake-up would only show as a
+  // smaller sample count.
+  for (const Row& r : rows)
+    if (r.failed_rounds && !r.samples.empty())
+      std::printf("\n%s: %d round(s) failed and are not counted (last: %s)", r.name.c_str(),
+                  r.failed_rounds, r.why.c_str());
   std::printf("\n");
 }
 
@@ -675,7 +696,10 @@ int main(int argc, char** argv) {
     const size_t per_round = (busy ? busy_n : sleep_n) / size_t(rounds);
     for (int round = 0; round < rounds; ++round) {
       std::string why;
-      if (!run_bubble_start(mode, per_round, dir, &rows[0].samples, &why)) rows[0].why = why;
+      if (!run_bubble_start(mode, per_round, dir, &rows[0].samples, &why)) {
+        rows[0].why = why;
+        ++rows[0].failed_rounds;
+      }
       for (size_t i = 0; i < chans.size(); ++i) {
         Row& row = rows[i + 1];
         if (!row.why.empty() && row.samples.empty() && round > 0) continue;  // failed before
@@ -684,7 +708,10 @@ int main(int argc, char** argv) {
           row.why = roudi->why();
           continue;
         }
-        if (!run_channel(*chans[i], busy != 0, per_round, &row.samples, &why)) row.why = why;
+        if (!run_channel(*chans[i], busy != 0, per_round, &row.samples, &why)) {
+          row.why = why;
+          ++row.failed_rounds;
+        }
       }
     }
     // Floor first, libbubble second, the rest as they came.
@@ -799,7 +826,8 @@ int main(int argc, char** argv) {
     } else {
       const Summary f = summarize(floor_samples);
       periodic_floor_p50 = f.p50;
-      std::printf("| %s | %zu | %s | %s | %s | 100.0%% | 100.0%% | 0.00 | - |\n", floor_name, f.n,
+      std::printf("| %s | %zu | %s | %s | %s | 100%% (it spins) | 100%% (it spins) | 0.00 | - |\n",
+                  floor_name, f.n,
                   fmt_us(f.p50).c_str(), fmt_us(f.p99).c_str(), fmt_us(f.p999).c_str());
     }
   }
@@ -830,7 +858,7 @@ int main(int argc, char** argv) {
     std::printf("\n");
   }
   std::printf("\nCPU waiting: the task thread's CPU time inside bb_task_wait_start "
-              "(CLOCK_THREAD_CPUTIME_ID) over the wall time; task process CPU: getrusage of the "
+              "(CLOCK_THREAD_CPUTIME_ID) over the wall time it spent inside it (the waiting, whatever the share of each period the task runs); task process CPU: getrusage of the "
               "task process, which also counts the bubble time the task spends polling; "
               "trainer's bb_bubble_begin: the call as the trainer's thread sees it, stamp to "
               "return (a futex wake inside it shows here).\n");
