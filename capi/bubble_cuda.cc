@@ -46,6 +46,7 @@ BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_tim
       bb_bubble_begin(trainer, expected, free_mem, kind);
     };
     sink.end = [trainer] { bb_bubble_end(trainer); };
+    sink.iteration = [trainer] { bb_trainer_iteration(trainer); };
     bb::core::StreamTimingOptions so;
     so.device = o.device;
     so.marks = o.marks;
@@ -82,6 +83,14 @@ BB_API bb_status bb_bubble_end_on_stream(bb_stream_timing_h timing, void* stream
   if (!timing) return fail(BB_E_INVALID, "timing is NULL: open it with bb_stream_timing_open");
   std::string error;
   const bb_status st = timing->impl->mark_end(stream, mark, &error);
+  return st == BB_OK ? BB_OK : fail_msg(st, error);
+}
+
+BB_API bb_status bb_trainer_iteration_on_stream(bb_stream_timing_h timing, void* stream,
+                                                uint64_t* mark) {
+  if (!timing) return fail(BB_E_INVALID, "timing is NULL: open it with bb_stream_timing_open");
+  std::string error;
+  const bb_status st = timing->impl->mark_iteration(stream, mark, &error);
   return st == BB_OK ? BB_OK : fail_msg(st, error);
 }
 

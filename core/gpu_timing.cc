@@ -54,6 +54,7 @@ class StreamTimingImpl final : public StreamTiming {
   bb_status mark_begin(void* stream, uint64_t expected_ns, uint64_t free_mem,
                        bb_bubble_kind kind, uint64_t* mark, std::string* error) override;
   bb_status mark_end(void* stream, uint64_t* mark, std::string* error) override;
+  bb_status mark_iteration(void* stream, uint64_t* mark, std::string* error) override;
 
   // The IPC handle of the event that carries mark number `mark`; valid while that mark is one
   // of the last `marks` recorded (the event is reused after that).
@@ -61,7 +62,7 @@ class StreamTimingImpl final : public StreamTiming {
   StreamTimingStats stats() const override;
 
  private:
-  enum : uint32_t { kBegin = 1, kEnd = 2 };
+  enum : uint32_t { kBegin = 1, kEnd = 2, kIteration = 3 };
   struct Mark {
     uint32_t type = 0;
     uint32_t kind = 0;
@@ -90,6 +91,7 @@ class StreamTimingImpl final : public StreamTiming {
   std::atomic<uint32_t> sleeping_{0};
   std::atomic<bool> stop_{false};
   bool open_bubble_ = false;  // watcher only
+  bool host_open_ = false;    // the marking thread's: a begin taken whose end is not yet
   std::thread watcher_;
 
   std::atomic<uint64_t> begins_{0}, ends_{0}, dropped_{0}, errors_{0};
@@ -191,9 +193,10 @@ StreamTimingImpl::~StreamTimingImpl() {
 
 bb_status StreamTimingImpl::push(void* stream, const Mark& m, uint64_t* mark, std::string* error) {
   const uint64_t t = tail_.load(std::memory_order_relaxed);
-  // A begin is taken only with room for its end as well: a begin applied with its end refused
-  // would leave the bubble open through the compute that follows.
-  const uint64_t need = m.type == kBegin ? 2 : 1;
+  // A begin is taken only with room for its end as well, and nothing else takes the room kept
+  // for the end of an open one: a begin applied with its end refused would leave the bubble open
+  // through the compute that follows.
+  const uint64_t need = m.type == kEnd ? 1 : m.type == kBegin || host_open_ ? 2 : 1;
   if (t - head_.load(std::memory_order_acquire) + need > ring_.size()) {
     dropped_.fetch_add(1, std::memory_order_relaxed);
     *error = "the GPU is " + std::to_string(ring_.size()) + " bubble marks behind this thread: "
@@ -220,6 +223,8 @@ bb_status StreamTimingImpl::push(void* stream, const Mark& m, uint64_t* mark, st
   }
   ring_[slot] = m;
   ring_[slot].recorded_ns = now_ns();
+  if (m.type == kBegin) host_open_ = true;
+  if (m.type == kEnd) host_open_ = false;
   // Dekker pair with the watcher: either it sees the new tail before sleeping, or we see it
   // sleeping and wake it.
   tail_.store(t + 1, std::memory_order_seq_cst);
@@ -244,6 +249,12 @@ bb_status StreamTimingImpl::mark_begin(void* stream, uint64_t expected_ns, uint6
 bb_status StreamTimingImpl::mark_end(void* stream, uint64_t* mark, std::string* error) {
   Mark m;
   m.type = kEnd;
+  return push(stream, m, mark, error);
+}
+
+bb_status StreamTimingImpl::mark_iteration(void* stream, uint64_t* mark, std::string* error) {
+  Mark m;
+  m.type = kIteration;
   return push(stream, m, mark, error);
 }
 
@@ -272,6 +283,8 @@ void StreamTimingImpl::apply(const Mark& m) {
     if (sink_.begin) sink_.begin(m.expected_ns, m.free_mem, bb_bubble_kind(m.kind));
     open_bubble_ = true;
     begins_.fetch_add(1, std::memory_order_relaxed);
+  } else if (m.type == kIteration) {
+    if (sink_.iteration) sink_.iteration();
   } else if (open_bubble_) {
     if (sink_.end) sink_.end();
     open_bubble_ = false;

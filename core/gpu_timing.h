@@ -53,6 +53,7 @@ class StreamTiming {
   struct Sink {
     std::function<void(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind kind)> begin;
     std::function<void()> end;
+    std::function<void()> iteration;  // a new training iteration starts (bb_trainer_iteration)
   };
 
   // Loads the CUDA driver (cuda_driver()), creates the events on the device's primary context
@@ -68,6 +69,9 @@ class StreamTiming {
   virtual bb_status mark_begin(void* stream, uint64_t expected_ns, uint64_t free_mem,
                                bb_bubble_kind kind, uint64_t* mark, std::string* error) = 0;
   virtual bb_status mark_end(void* stream, uint64_t* mark, std::string* error) = 0;
+  // A training iteration starts when the GPU gets here (the watcher is the bubble thread, so it
+  // is the one to number bubbles from here on).
+  virtual bb_status mark_iteration(void* stream, uint64_t* mark, std::string* error) = 0;
 
   // The CUipcEventHandle of the event that carries mark number `mark`; valid while that mark is
   // one of the last `marks` recorded (the event is reused after that).

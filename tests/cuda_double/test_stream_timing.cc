@@ -7,12 +7,14 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <memory>
 #include <string>
 #include <thread>
 
 #include "core/cuda_driver.h"
+#include "core/gpu_timing.h"
 #include "core/observer.h"
 #include "tests/cuda_double/cuda_double.h"
 #include "tests/helpers/proc.h"
@@ -232,6 +234,44 @@ TEST_CASE("stream_timing_keeps_out_of_cuda_graph_captures") {
   dbl.progress(kStream, -1);
   CHECK(eventually([&] { return hub.in_bubble(); }));
   CHECK(timing.stats().query_errors == 0);
+}
+
+TEST_CASE("an_iteration_marked_on_a_stream_starts_when_the_gpu_gets_there") {
+  Double dbl;
+  std::atomic<int> iterations{0}, begins{0}, ends{0};
+  bb::core::StreamTiming::Sink sink;
+  sink.begin = [&](uint64_t, uint64_t, bb_bubble_kind) { ++begins; };
+  sink.end = [&] { ++ends; };
+  sink.iteration = [&] { ++iterations; };
+  bb::core::StreamTimingOptions so;
+  so.marks = 4;
+  std::unique_ptr<bb::core::StreamTiming> t;
+  std::string err;
+  REQUIRE(bb::core::StreamTiming::open(so, sink, &t, &err) == BB_OK);
+  REQUIRE(t->mark_iteration(kStream, nullptr, &err) == BB_OK);
+  REQUIRE(t->mark_begin(kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY, nullptr, &err) == BB_OK);
+  REQUIRE(t->mark_iteration(kStream, nullptr, &err) == BB_OK);
+  // One slot left, kept for the open bubble's end: no other mark takes it.
+  CHECK(t->mark_iteration(kStream, nullptr, &err) == BB_E_FULL);
+  REQUIRE(t->mark_end(kStream, nullptr, &err) == BB_OK);
+  REQUIRE(dbl.watcher_polled());
+  CHECK(iterations.load() == 0);  // the GPU is not there yet
+  dbl.progress(kStream, 1);
+  CHECK(eventually([&] { return iterations.load() == 1; }));
+  CHECK(begins.load() == 0);  // the begin is behind it
+  dbl.progress(kStream, -1);
+  CHECK(eventually([&] { return ends.load() == 1; }));
+  CHECK(iterations.load() == 2);
+  CHECK(begins.load() == 1);
+  // Through the C ABI, on a trainer: the mark goes to the same ring.
+  RuntimeDir rt;
+  Hub hub(rt, ("st-iter-" + std::to_string(getpid())).c_str());
+  Timing timing(hub.trainer, 4);
+  CHECK(bb_trainer_iteration_on_stream(nullptr, kStream, nullptr) == BB_E_INVALID);
+  uint64_t mark = 99;
+  REQUIRE(bb_trainer_iteration_on_stream(timing.h, kStream, &mark) == BB_OK);
+  CHECK(mark == 0);
+  dbl.progress(kStream, -1);
 }
 
 TEST_CASE("a_stream_begin_is_taken_only_with_room_for_its_end") {

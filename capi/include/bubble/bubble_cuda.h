@@ -43,10 +43,9 @@ BB_API void bb_stream_timing_options_init(bb_stream_timing_options_t *opts);
 /* Starts stream timing for a trainer: creates the events and the watcher thread ("bb-stream",
  * which blocks asynchronous signals like the hub's service thread). From then on
  * the watcher thread is the trainer's bubble thread: do not call bb_bubble_begin/end on this
- * trainer yourself while it is open, nor the other calls bubble.h reserves to the bubble thread
- * (bb_trainer_iteration, bb_trainer_set_schedule): the prediction then goes by bubble position
- * alone, or set the schedule before opening. opts may be NULL. Close it before
- * bb_trainer_close. */
+ * trainer yourself while it is open, nor the other calls bubble.h reserves to the bubble thread:
+ * mark iterations with bb_trainer_iteration_on_stream, and call bb_trainer_set_schedule before
+ * opening. opts may be NULL. Close it before bb_trainer_close. */
 BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_timing_options_t *opts,
                                        bb_stream_timing_h *out);
 /* Stops the watcher (ending a bubble it opened; marks the GPU has not reached are dropped) and
@@ -64,6 +63,11 @@ BB_API bb_status bb_bubble_begin_on_stream(bb_stream_timing_h timing, void *stre
                                            bb_bubble_kind kind, uint64_t *mark);
 /* The bubble ends when the GPU reaches this point of `stream`. */
 BB_API bb_status bb_bubble_end_on_stream(bb_stream_timing_h timing, void *stream, uint64_t *mark);
+/* A training iteration starts when the GPU reaches this point of `stream`: the stream-ordered
+ * bb_trainer_iteration (which, while the timing is open, is not called directly). Marks share
+ * the `marks` in flight with the bubble marks. */
+BB_API bb_status bb_trainer_iteration_on_stream(bb_stream_timing_h timing, void *stream,
+                                                uint64_t *mark);
 
 /* The CUDA IPC handle (CUipcEventHandle, 64 bytes) of the event that carries a mark, for another
  * process to open with cuIpcOpenEventHandle and query (done = the GPU reached the mark) or wait
