@@ -195,7 +195,7 @@ bb_status bb_trainer_tasks(bb_trainer_h trainer, bb_task_info_t* out, size_t cap
 
 bb_status bb_trainer_stop_task(bb_trainer_h trainer, uint64_t task_id) {
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
-  return impl(trainer)->stop_task(task_id);
+  BB_GUARD(return impl(trainer)->stop_task(task_id););
 }
 
 void bb_task_options_init(bb_task_options_t* opts) {

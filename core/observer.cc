@@ -115,10 +115,6 @@ struct HubObserver::Impl {
     if (shm::segment_size(fd) != int64_t(shm::kTaskPageSize)) return nullptr;
     shm::Mapping m = shm::map_segment(fd, shm::kTaskPageSize, false, &err);
     if (!m) return nullptr;
-    // The page a task of this slot attached with names the slot (the words are the task's: a
-    // task that lies about them only misreports itself).
-    const auto* tp = reinterpret_cast<const shm::TaskPage*>(m.data());
-    if (tp->magic != shm::kPageMagic || tp->slot != slot) return nullptr;
     Page& p = pages[slot];
     p.generation = gen;
     p.map = std::move(m);

@@ -98,6 +98,7 @@ void Task::release() {
   sock_.reset();
   epoch_ = 0;
   report_cached_head_ = 0;
+  unmap_failed_ = 0;  // grant ids are the trainer's: a new one starts them again
 }
 
 bb_status Task::connect() {

@@ -914,11 +914,16 @@ void Trainer::attach_task(Conn& c, const void* raw) {
     // its pid was reused since; pidfd_open of the pid is the fallback on older kernels.
     socklen_t plen = sizeof fd;
     bb_status ps = BB_OK;
-    if (getsockopt(c.fd.get(), SOL_SOCKET, kSoPeerPidfd, &fd, &plen) != 0 || fd < 0) {
+    if (getsockopt(c.fd.get(), SOL_SOCKET, kSoPeerPidfd, &fd, &plen) != 0) {
       fd = -1;
-      ps = shm::pidfd_open_pid(cred.pid, &fd, &why);
-    } else if (pidfd_dead(fd)) {  // newer kernels give a pidfd of an exited process too
-      close(fd);
+      if (errno == ENOPROTOOPT) {  // a kernel without it: the pid, which may have been reused
+        ps = shm::pidfd_open_pid(cred.pid, &fd, &why);
+      } else {  // the kernel knows the peer and cannot name it: it has exited
+        ps = BB_E_NOT_FOUND;
+        why = std::string("it has exited (") + std::strerror(errno) + ")";
+      }
+    } else if (fd < 0 || pidfd_dead(fd)) {  // newer kernels give a pidfd of an exited process too
+      if (fd >= 0) close(fd);
       fd = -1;
       ps = BB_E_NOT_FOUND;
       why = "it has exited";
@@ -1669,10 +1674,10 @@ void Trainer::grant_tick(uint64_t now) {
       continue;
     std::string err;
     const bb_status st = offer_grant(i, s.cand.mem_need, nullptr, &err);
-    // No room now: tried again when memory is released or a task attaches. A passing failure
-    // (the task's socket full, the system short of something) is tried again a moment later.
-    // Anything else would fail again the same way.
-    if (st == BB_E_BUSY || st == BB_E_SYSTEM) {
+    // No room now: tried again when memory is released or a task attaches. The task's socket
+    // full (it has not read its connection yet) passes: tried again a moment later. Anything
+    // else would fail again the same way (and some failures cost the GPU work to find out).
+    if (st == BB_E_BUSY) {
       if (grant_retry_ns_ == 0) grant_retry_ns_ = now + kGrantRetryNs;
     } else if (st != BB_OK && st != BB_E_NOMEM && st != BB_E_FULL) {
       s.grant_hold = true;

@@ -225,8 +225,9 @@ class Agent {
   int retry_round_ = 0;
   bool earlier_boot_ = false;           // the rows were written before the node restarted
   bool settling_earlier_boot_ = false;  // settle_dead_tasks is ending those rows
-  bool in_retry_ = false;
-  uint64_t last_placement_ns_ = 0;  // when refresh_all last looked for queued tasks  // on_retry is running: it, not try_open_hub, arms the next round
+  std::string boot_to_record_;          // this boot's id, stored once the old rows are settled
+  bool in_retry_ = false;           // on_retry is running: it, not try_open_hub, arms the next round
+  uint64_t last_placement_ns_ = 0;  // when refresh_all last looked for queued tasks
 };
 
 // A timer allocated with new, initialised on loop, carrying data; freed with close_and_delete.

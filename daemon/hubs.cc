@@ -59,6 +59,9 @@ struct HubCallbacks {
     if (!agent->retry_hubs_.empty() && agent->retry_round_ < kMaxOpenRetries) {
       uv_timer_start(t, on_retry, kRetryDelaysMs[agent->retry_round_++], 0);
     } else {
+      for (const auto& name : agent->retry_hubs_)
+        agent_log("hub %s: no trainer answers on its socket; tried again when the runtime "
+                  "directory changes", name.c_str());
       agent->retry_hubs_.clear();
       agent->retry_round_ = 0;
     }
@@ -155,7 +158,7 @@ void Agent::close_hub_handles(Hub* hub) {
 void Agent::prune_gone_hubs() {
   std::vector<std::pair<uint64_t, std::string>> gone;
   for (const auto& [name, hub] : hubs_)
-    if (!hub->alive) gone.emplace_back(hub->gone_ns, name);
+    if (!hub->alive && !hub->draining) gone.emplace_back(hub->gone_ns, name);  // a drain stays
   if (gone.size() <= kMaxGoneHubs) return;
   std::sort(gone.begin(), gone.end());
   for (size_t k = 0; k + kMaxGoneHubs < gone.size(); ++k) hubs_.erase(gone[k].second);

@@ -671,7 +671,9 @@ void Agent::readopt_tasks() {
   // every task the rows call running is gone, and their pids may be anybody's now.
   const std::string boot = boot_id(), last_boot = store_.get_meta("boot_id");
   earlier_boot_ = !boot.empty() && !last_boot.empty() && boot != last_boot;
-  if (!boot.empty() && boot != last_boot) store_.set_meta("boot_id", boot);
+  // Recorded once the rows of the earlier boot are settled (settle_dead_tasks): an agent that
+  // stopped before that must still know them for what they are.
+  boot_to_record_ = boot != last_boot ? boot : "";
   for (auto& [id, row] : tasks_) {
     if (state_is_final(row.state) || row.state == "queued") continue;
     bool alive = !earlier_boot_ && row.pid > 0 && same_process(row.pid, row.pid_start);
@@ -728,6 +730,8 @@ void Agent::settle_dead_tasks() {
     on_task_exit(raw, st);
   }
   settling_earlier_boot_ = false;
+  if (!boot_to_record_.empty()) store_.set_meta("boot_id", boot_to_record_);
+  boot_to_record_.clear();
 }
 
 }  // namespace bb::daemon

@@ -54,7 +54,8 @@ def test_a_task_being_cancelled_is_not_stopped_again_nor_shown_running(env):
     it is "stopping": enforcement neither stops it again (which would only delay the stop) nor
     marks it running (an agent restarted meanwhile would then forget the cancel)."""
     env.trainer("j", 0)
-    env.start_agent("--grace-ms", "20", "--kill-after", "1000", "--stop-timeout-ms", "8000")
+    # A stop timeout far beyond the test: the task stays `stopping` for as long as it runs.
+    env.start_agent("--grace-ms", "20", "--kill-after", "1000", "--stop-timeout-ms", "600000")
     tid = env.submit(TASK_ROGUE)
     env.wait_state(tid, "stopped")
     env.ctl("cancel", str(tid))
@@ -69,5 +70,6 @@ def test_a_task_being_cancelled_is_not_stopped_again_nor_shown_running(env):
     after = kinds[kinds.index("cancel") + 1:]
     # The cancel's own continue, and nothing from enforcement after it.
     assert "stop" not in after and after.count("continue") <= 1, kinds
+    os.killpg(env.task(tid)["pid"], signal.SIGKILL)  # it would never stop by itself
     t = env.wait_state(tid, ("cancelled", "failed", "killed", "finished"))
     assert t["state"] == "cancelled", t

@@ -167,13 +167,15 @@ def test_rows_from_before_a_restart_of_the_node_are_ended_without_touching_their
     db.execute("UPDATE meta SET value = 'an-earlier-boot' WHERE key = 'boot_id'")
     db.commit()
     db.close()
-    env.start_agent()
-    t = env.task(tid)
-    assert t["state"] == "lost" and "node restarted" in t["message"], t
-    assert not gone(pid), "the agent signalled a pid of an earlier boot"
-    with open("/proc/sys/kernel/random/boot_id") as f:
-        boot = f.read().strip()
-    db = sqlite3.connect(os.path.join(env.state, "bubbled.db"))
-    assert db.execute("SELECT value FROM meta WHERE key = 'boot_id'").fetchone()[0] == boot
-    db.close()
-    os.killpg(pid, signal.SIGKILL)
+    try:
+        env.start_agent()
+        t = env.task(tid)
+        assert t["state"] == "lost" and "node restarted" in t["message"], t
+        assert not gone(pid), "the agent signalled a pid of an earlier boot"
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        db = sqlite3.connect(os.path.join(env.state, "bubbled.db"))
+        assert db.execute("SELECT value FROM meta WHERE key = 'boot_id'").fetchone()[0] == boot
+        db.close()
+    finally:
+        os.killpg(pid, signal.SIGKILL)  # the task the agent left alone

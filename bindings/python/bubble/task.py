@@ -276,8 +276,12 @@ class Task:
                 # when something listens, the SIGINT gate or a SideTask's own idle().
                 if gate.active or own_idle:
                     cbs.idle = _lib.INIT_FN(idle)
-                return lib.bb_task_run(h, ctypes.byref(cbs))
-        status = self._handle.call(run)
+                st = lib.bb_task_run(h, ctypes.byref(cbs))
+                # The error read inside the call: a detach left pending until the call returns
+                # would overwrite bb_last_error() once it has.
+                plain = (Status.OK, Status.E_STOPPED, Status.E_TRAINER_GONE, Status.E_CALLBACK)
+                return st, (None if st in plain else error_for(st))
+        status, failure = self._handle.call(run)
         interrupted()  # a Ctrl-C no callback saw (the run ended first) is not lost either
         if raised:
             raise raised[0]
@@ -289,7 +293,7 @@ class Task:
             return Outcome.TRAINER_GONE
         if status == Status.E_CALLBACK:
             raise CallbackFailed("a side-task callback reported failure")
-        raise error_for(status)
+        raise failure
 
     # ---- imperative ------------------------------------------------------------------------
 
