@@ -3,7 +3,6 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -244,7 +243,8 @@ def test_detach_on_another_thread_waits_for_wait_start_which_raises(job):
         task = bubble.Task(job, 0, "waiter")
         assert eventually(lambda: len(trainer.tasks()) == 1)
         waiter = Background(task.wait_start)  # no timeout: waits until something happens
-        time.sleep(0.3)  # a few of its 100 ms slices into the wait
+        # The detach comes while the wait is in flight (its call counted on the handle).
+        assert eventually(lambda: task._handle._users)
         assert waiter.is_alive()
         Background(task.detach).join_result(timeout=10)
         # The wait noticed within its 100 ms slice, before the slot went away under it.
