@@ -4,34 +4,36 @@
 
 namespace bb::nccl {
 
-RecvWaits::P2p* RecvWaits::as_p2p(void* p) const {
-  const auto* base = reinterpret_cast<const char*>(pool_.data());
-  const auto* q = static_cast<const char*>(p);
-  if (q < base || q >= base + sizeof pool_) return nullptr;
-  const size_t off = size_t(q - base);
-  if (off % sizeof(P2p) != 0) return nullptr;
-  auto* r = const_cast<P2p*>(&pool_[off / sizeof(P2p)]);
-  return (r->tag == Tag::kP2p && r->in_use) ? r : nullptr;
+namespace {
+
+// A handle: mark (8 bits) | kind (2) | unused (6) | record (8) | channel (8) | generation (32).
+constexpr uint64_t kMark = 0xbbull << 56;
+constexpr uint64_t kMarkMask = 0xffull << 56;
+
+}  // namespace
+
+void* RecvWaits::handle(Kind kind, const P2p* r, int channel) const {
+  const uint64_t index = uint64_t(r - pool_.data());
+  const uint64_t v = kMark | uint64_t(kind) << 54 | index << 40 | uint64_t(channel) << 32 | r->gen;
+  return reinterpret_cast<void*>(uintptr_t(v));
 }
 
-// A child pointer is accepted only if it is exactly one of the child slots of a record: NCCL
-// hands back what we gave it, but a stale or foreign pointer must not be written through.
-RecvWaits::Child* RecvWaits::as_child(void* p, Tag tag) const {
-  const auto* base = reinterpret_cast<const char*>(pool_.data());
-  const auto* q = static_cast<const char*>(p);
-  if (q < base || q >= base + sizeof pool_) return nullptr;
-  const size_t i = size_t(q - base) / sizeof(P2p);
-  const size_t off = size_t(q - base) % sizeof(P2p);
-  if (off < offsetof(P2p, ch)) return nullptr;
-  const size_t k = (off - offsetof(P2p, ch)) / sizeof(Channel);
-  if (k >= size_t(kChannels)) return nullptr;
-  auto& c = const_cast<Channel&>(pool_[i].ch[k]);
-  Child* slot = tag == Tag::kKernel ? &c.kernel : tag == Tag::kOp ? &c.op : &c.step;
-  return (static_cast<const void*>(slot) == p && slot->tag == tag) ? slot : nullptr;
-}
-
-bool RecvWaits::child_valid(const Child* c) const {
-  return c && c->active && c->owner && c->owner->in_use && c->gen == c->owner->gen;
+RecvWaits::Ref RecvWaits::resolve(const void* h, Kind kind) const {
+  static_assert(kPoolSize <= 256 && kChannels <= 256, "a handle has 8 bits for each");
+  static_assert(sizeof(void*) == 8, "handles need 64-bit pointers");
+  const uint64_t v = uint64_t(reinterpret_cast<uintptr_t>(h));
+  Ref ref;
+  if ((v & kMarkMask) != kMark || Kind((v >> 54) & 3) != kind || ((v >> 48) & 0x3f) != 0)
+    return ref;
+  const uint64_t index = (v >> 40) & 0xff, channel = (v >> 32) & 0xff;
+  if (index >= uint64_t(kPoolSize) || channel >= uint64_t(kChannels)) return ref;
+  // A P2p handle names no channel.
+  if (kind == Kind::kP2p && channel != 0) return ref;
+  auto* r = const_cast<P2p*>(&pool_[index]);
+  if (!r->in_use || r->gen != uint32_t(v)) return ref;  // reused (or freed) since
+  ref.rec = r;
+  ref.channel = int(channel);
+  return ref;
 }
 
 RecvWaits::P2p* RecvWaits::allocate() {
@@ -55,11 +57,6 @@ RecvWaits::P2p* RecvWaits::allocate() {
   pick->gen = gen + 1;
   pick->in_use = true;
   pick->started = ++order_;
-  for (int c = 0; c < kChannels; ++c) {
-    pick->ch[size_t(c)].kernel.channel = uint32_t(c);
-    pick->ch[size_t(c)].op.channel = uint32_t(c);
-    pick->ch[size_t(c)].step.channel = uint32_t(c);
-  }
   return pick;
 }
 
@@ -95,60 +92,56 @@ void* RecvWaits::p2p_start(bool is_recv, int nchannels) {
   if (!is_recv) return nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   P2p* r = allocate();
-  if (r) r->nchannels = nchannels > kChannels ? kChannels : (nchannels < 0 ? 0 : nchannels);
-  return r;
+  if (!r) return nullptr;
+  r->nchannels = nchannels > kChannels ? kChannels : (nchannels < 0 ? 0 : nchannels);
+  return handle(Kind::kP2p, r, 0);
 }
 
 void* RecvWaits::kernel_channel_start(void* parent, int channel) {
   if (!parent || channel < 0 || channel >= kChannels) return nullptr;
   std::lock_guard<std::mutex> lock(mu_);
-  P2p* r = as_p2p(parent);
+  P2p* r = resolve(parent, Kind::kP2p).rec;
   if (!r) return nullptr;
-  Child& k = r->ch[size_t(channel)].kernel;
-  if (!k.active) {
-    k.active = true;
-    k.owner = r;
-    k.gen = r->gen;
+  Channel& c = r->ch[size_t(channel)];
+  if (!c.kernel) {
+    c.kernel = true;
     ++r->live_children;
   }
   // Data the proxy already received before the kernel reached the channel means no wait.
-  if (!r->ch[size_t(channel)].arrived) set_waiting(r, channel, true);
-  return &k;
+  if (!c.arrived) set_waiting(r, channel, true);
+  return handle(Kind::kKernel, r, channel);
 }
 
 void* RecvWaits::proxy_op_start(void* parent, bool same_process, int channel, bool is_send) {
   if (!parent || !same_process || is_send || channel < 0 || channel >= kChannels) return nullptr;
   std::lock_guard<std::mutex> lock(mu_);
-  P2p* r = as_p2p(parent);
+  P2p* r = resolve(parent, Kind::kP2p).rec;
   if (!r) return nullptr;
-  Child& op = r->ch[size_t(channel)].op;
-  if (!op.active) {
-    op.active = true;
-    op.owner = r;
-    op.gen = r->gen;
+  Channel& c = r->ch[size_t(channel)];
+  if (!c.op) {
+    c.op = true;
     ++r->live_children;
   }
-  return &op;
+  return handle(Kind::kOp, r, channel);
 }
 
 void* RecvWaits::proxy_step_start(void* parent) {
   if (!parent) return nullptr;
   std::lock_guard<std::mutex> lock(mu_);
-  Child* op = as_child(parent, Tag::kOp);
-  if (!child_valid(op)) return nullptr;
-  Child& step = op->owner->ch[op->channel].step;
-  step.active = true;
-  step.owner = op->owner;
-  step.gen = op->gen;
-  return &step;
+  const Ref op = resolve(parent, Kind::kOp);
+  if (!op.rec || !op.rec->ch[size_t(op.channel)].op) return nullptr;
+  // Every step of the op gets the same handle: a step only ever tells of its data arriving.
+  return handle(Kind::kStep, op.rec, op.channel);
 }
 
-void RecvWaits::end_child(Child* c) {
-  P2p* r = c->owner;
-  c->active = false;
+void RecvWaits::end_child(P2p* r, int channel, Kind kind) {
+  Channel& c = r->ch[size_t(channel)];
+  bool& live = kind == Kind::kKernel ? c.kernel : c.op;
+  if (!live) return;  // a second stop of the same event changes nothing
+  live = false;
   --r->live_children;
-  if (c->tag == Tag::kKernel) {
-    set_waiting(r, int(c->channel), false);
+  if (kind == Kind::kKernel) {
+    set_waiting(r, channel, false);
     ++r->kernels_done;
   }
   maybe_release(r);
@@ -158,33 +151,27 @@ void RecvWaits::record(void* handle, Transition t) {
   if (!handle || t == Transition::kOther) return;
   std::lock_guard<std::mutex> lock(mu_);
   if (t == Transition::kKernelChannelDone) {
-    Child* k = as_child(handle, Tag::kKernel);
-    if (child_valid(k)) end_child(k);
+    const Ref k = resolve(handle, Kind::kKernel);
+    if (k.rec) end_child(k.rec, k.channel, Kind::kKernel);
     return;
   }
-  Child* c = as_child(handle, Tag::kStep);
-  if (!c) c = as_child(handle, Tag::kOp);
-  if (!child_valid(c)) return;
-  c->owner->ch[c->channel].arrived = true;
-  set_waiting(c->owner, int(c->channel), false);
+  Ref c = resolve(handle, Kind::kStep);
+  if (!c.rec) c = resolve(handle, Kind::kOp);
+  if (!c.rec) return;
+  c.rec->ch[size_t(c.channel)].arrived = true;
+  set_waiting(c.rec, c.channel, false);
 }
 
 void RecvWaits::stop(void* handle) {
   if (!handle) return;
   std::lock_guard<std::mutex> lock(mu_);
-  if (P2p* r = as_p2p(handle)) {
+  if (P2p* r = resolve(handle, Kind::kP2p).rec) {
     r->host_stopped = true;
     maybe_release(r);
     return;
   }
-  if (Child* k = as_child(handle, Tag::kKernel)) {
-    if (child_valid(k)) end_child(k);
-    return;
-  }
-  if (Child* op = as_child(handle, Tag::kOp)) {
-    if (child_valid(op)) end_child(op);
-    return;
-  }
+  for (const Kind kind : {Kind::kKernel, Kind::kOp})
+    if (const Ref c = resolve(handle, kind); c.rec) return end_child(c.rec, c.channel, kind);
   // A proxy step ends nothing: the channel's wait is the kernel's and the arrival's business.
 }
 

@@ -12,9 +12,15 @@
 // NCCL stops a P2p event as soon as it is enqueued, before its kernel-channel and proxy events
 // start, and hands the P2p handle to those children as their parent. So P2p records live in a
 // fixed pool that outlives every handle: a record is reused only after its channels finished (or,
-// when the pool runs out, the oldest stopped one is reclaimed and its late children are
-// recognised by a generation and ignored). A parent pointer that is not one of our records is
-// ignored rather than dereferenced.
+// when the pool runs out, the oldest stopped one is reclaimed).
+//
+// The handles given to NCCL are not addresses. Each names what it stands for (a receive record,
+// or one of its channel's kernel, proxy-op or proxy-step events), the record's place in the pool
+// and the record's generation, with a mark in the top byte, where no user-space address has
+// bits. A handle kept past its record's reuse therefore no longer matches (it names an older
+// generation), even when the new receive runs on the same channel; an address would have named
+// the new receive's event. A value that does not decode to a live event of ours is ignored.
+// NCCL never dereferences event handles (they are opaque to it).
 #pragma once
 
 #include <array>
@@ -70,26 +76,14 @@ class RecvWaits {
   uint64_t records_reclaimed() const;
 
  private:
-  struct P2p;
-  enum class Tag : uint32_t { kP2p = 0x50325031, kKernel = 0x4b43484e, kOp = 0x504f5031,
-                              kStep = 0x53544550 };
-  // A child slot of one (receive, channel): the KernelCh handle and the proxy op/step handles.
-  struct Child {
-    Tag tag;
-    uint32_t channel;
-    P2p* owner;
-    uint32_t gen;   // the owner's generation when the child started
-    bool active;
-  };
+  enum class Kind : uint32_t { kP2p = 0, kKernel = 1, kOp = 2, kStep = 3 };
   struct Channel {
-    Child kernel{Tag::kKernel, 0, nullptr, 0, false};
-    Child op{Tag::kOp, 0, nullptr, 0, false};
-    Child step{Tag::kStep, 0, nullptr, 0, false};  // shared by every step of the op
+    bool kernel = false;  // its KernelCh event started and has not stopped
+    bool op = false;      // its (receive) proxy op started and has not stopped
     bool waiting = false;
     bool arrived = false;
   };
   struct P2p {
-    Tag tag = Tag::kP2p;
     uint32_t gen = 0;
     bool in_use = false;
     bool host_stopped = false;
@@ -99,15 +93,20 @@ class RecvWaits {
     uint64_t started = 0;  // allocation order, to reclaim the oldest
     std::array<Channel, kChannels> ch;
   };
+  // What a handle names, once decoded and checked against the pool.
+  struct Ref {
+    P2p* rec = nullptr;
+    int channel = 0;
+  };
 
-  P2p* as_p2p(void* p) const;
-  Child* as_child(void* p, Tag tag) const;
-  bool child_valid(const Child* c) const;
+  void* handle(Kind kind, const P2p* r, int channel) const;
+  // The live record (and channel) a handle of that kind names, or rec == nullptr.
+  Ref resolve(const void* h, Kind kind) const;
   P2p* allocate();
   void release(P2p* r);
   void maybe_release(P2p* r);
   void set_waiting(P2p* r, int channel, bool on);
-  void end_child(Child* c);
+  void end_child(P2p* r, int channel, Kind kind);
 
   WaitSink* sink_;
   mutable std::mutex mu_;
