@@ -54,20 +54,29 @@ void BubblePredictor::begin_iteration() noexcept {
   marked_ = true;
 }
 
+uint64_t BubblePredictor::declared_ns(const History& h) const noexcept {
+  if (h.seeded == kNanoseconds) return h.declared;
+  if (h.seeded != kUnits || scale_ == nullptr || scale_->model_units == 0) return 0;
+  const auto ns = static_cast<unsigned __int128>(h.declared) * scale_->observed_ns /
+                  scale_->model_units;
+  if (ns == 0) return 1;
+  return ns > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(ns);
+}
+
 uint64_t BubblePredictor::predict(bb_bubble_kind kind) const noexcept {
   const uint32_t k = kind_index(kind);
   if (marked_ && position_ < kMaxPositions) {
     const History& h = positions_[position_];
-    if (h.count > 0) {
+    if (h.count > 1) {
       if (h.kind == k) return h.prediction;
-    } else if (h.seeded == kNanoseconds) {
-      return h.prediction;
-    } else if (h.seeded == kUnits) {
-      if (scale_ == nullptr || scale_->model_units == 0) return 0;
-      const auto ns = static_cast<unsigned __int128>(h.units) * scale_->observed_ns /
-                      scale_->model_units;
-      if (ns == 0) return 1;
-      return ns > UINT64_MAX ? UINT64_MAX : static_cast<uint64_t>(ns);
+    } else if (h.count == 1) {
+      if (h.kind == k) {
+        // One observation is not trusted past the declaration: see seed().
+        const uint64_t d = h.seeded != kNone ? declared_ns(h) : 0;
+        return d != 0 && d < h.prediction ? d : h.prediction;
+      }
+    } else if (h.seeded != kNone) {
+      return declared_ns(h);
     }
   }
   const History& h = kinds_[k];
@@ -78,17 +87,20 @@ void BubblePredictor::observe(bb_bubble_kind kind, uint64_t duration_ns) noexcep
   const uint32_t k = kind_index(kind);
   if (marked_ && position_ < kMaxPositions) {
     History& h = positions_[position_];
-    // Another kind at this position means the schedule changed: its old lengths say nothing.
-    if (h.count > 0 && h.kind != k) h.count = 0;
+    // Another kind at this position means the schedule changed: its old lengths, and what was
+    // declared for it, say nothing.
+    if (h.count > 0 && h.kind != k) {
+      h.count = 0;
+      h.seeded = kNone;
+    }
     if (h.count == 0) {
       h.next = 0;
-      h.seeded = kNone;
       h.kind = static_cast<uint8_t>(k);
     }
     push(&h, duration_ns);
-    if (measures_ && position_ > 0 && h.units > 0) {
+    if (measures_ && position_ > 0 && h.declared > 0) {
       scale_->observed_ns += duration_ns;
-      scale_->model_units += h.units;
+      scale_->model_units += h.declared;
     }
   }
   push(&kinds_[k], duration_ns);
@@ -101,8 +113,8 @@ void BubblePredictor::skip() noexcept {
 
 void BubblePredictor::clear_seeds() noexcept {
   for (History& h : positions_) {
-    h.units = 0;
-    if (h.count == 0) h.seeded = kNone;
+    h.declared = 0;
+    h.seeded = kNone;
   }
   scale_ = nullptr;
   measures_ = false;
@@ -114,8 +126,8 @@ void BubblePredictor::seed(const uint64_t* durations_ns, uint32_t count) noexcep
   if (count > kMaxPositions) count = kMaxPositions;
   for (uint32_t i = 0; i < count; ++i) {
     History& h = positions_[i];
-    if (durations_ns[i] == 0 || h.count > 0) continue;  // observations beat declarations
-    h.prediction = durations_ns[i];
+    if (durations_ns[i] == 0) continue;
+    h.declared = durations_ns[i];
     h.seeded = kNanoseconds;
   }
 }
@@ -129,8 +141,8 @@ void BubblePredictor::seed_units(const uint64_t* units, uint32_t count, UnitScal
   if (count > kMaxPositions) count = kMaxPositions;
   for (uint32_t i = 0; i < count; ++i) {
     History& h = positions_[i];
-    h.units = units[i];
-    if (h.count == 0) h.seeded = kUnits;  // observations beat declarations
+    h.declared = units[i];
+    h.seeded = kUnits;
   }
 }
 

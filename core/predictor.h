@@ -34,7 +34,9 @@ struct UnitScale {
 
 class BubblePredictor {
  public:
-  static constexpr uint32_t kMaxPositions = 128;
+  // Enough for a middle stage's receives in 1F1B up to m = 512 and interleaved up to m x v = 512
+  // (two per micro-batch and chunk); 64 KiB per predictor, of which a bubble touches one entry.
+  static constexpr uint32_t kMaxPositions = 1024;
   // Odd, so the median is an observed value; five tolerates two outliers in a row.
   static constexpr uint32_t kWindow = 5;
 
@@ -48,13 +50,18 @@ class BubblePredictor {
   // The bubble at the current position gives nothing to observe (the gap before the first
   // bubble ever, which has no bubble before it); advance to the next position.
   void skip() noexcept;
-  // Seeds positions 0..count-1 (from a declared schedule) until they are observed; a 0 entry
-  // leaves its position unseeded. Replaces any earlier seeds. Positions past kMaxPositions are
-  // ignored. Seeds apply only when the trainer marks iterations.
+  // Seeds positions 0..count-1 (from a declared schedule); a 0 entry leaves its position
+  // unseeded. A seeded position predicts its seed until observed, then the lower of the seed
+  // and its one observation (the first iteration is often slow: communicators being set up,
+  // allocators and autotuning warming up, and one slow bubble must not become the next
+  // iteration's deadline), and from its second observation on what it observed. Replaces any
+  // earlier seeds. Positions past kMaxPositions are ignored. Seeds apply only when the trainer
+  // marks iterations.
   void seed(const uint64_t* durations_ns, uint32_t count) noexcept;
-  // Seeds positions 0..count-1 with lengths in model units, scaled by *scale until observed:
-  // such a position predicts 0 while the scale is unknown, then units * scale, at least 1 ns
-  // (a zero-length model bubble means "no time to hand out", not "no idea"). With
+  // Seeds positions 0..count-1 with lengths in model units, scaled by *scale (as seed() does
+  // with nanoseconds: alone until observed, the lower of it and one observation): such a
+  // position's seed is 0 (no idea) while the scale is unknown, then units * scale, at least
+  // 1 ns (a zero-length model bubble means "no time to hand out", not "no idea"). With
   // measures_scale, every observation at a position 1..count-1 with a nonzero model length
   // adds to *scale; position 0 is left out, as what precedes an iteration's first bubble holds
   // work outside the schedule (the optimizer step, loading data). Positions past
@@ -75,8 +82,10 @@ class BubblePredictor {
   enum Seed : uint8_t { kNone = 0, kNanoseconds = 1, kUnits = 2 };
   struct History {
     uint64_t window[kWindow];
-    uint64_t prediction;  // median of window[0..count), or the seed while count == 0
-    uint64_t units;       // model length (seed_units); kept after observations for measuring
+    uint64_t prediction;  // median of window[0..count)
+    // The declared length: nanoseconds (seed) or model units (seed_units); units are kept
+    // after observations, for measuring the scale.
+    uint64_t declared;
     uint8_t count;        // valid entries, <= kWindow
     uint8_t next;         // where the next observation goes
     uint8_t kind;         // kind of the observations held (positions only)
@@ -84,6 +93,8 @@ class BubblePredictor {
   };
 
   static void push(History* h, uint64_t duration_ns) noexcept;
+  // What the declaration says of a seeded position, in nanoseconds; 0 = nothing (yet).
+  uint64_t declared_ns(const History& h) const noexcept;
   void clear_seeds() noexcept;
 
   // The scalars and the per-kind table first: every bubble reads them, so they share the

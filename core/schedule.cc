@@ -10,7 +10,9 @@ namespace {
 constexpr uint32_t kMaxStages = 1024;
 constexpr uint32_t kMaxMicrobatches = 65536;
 constexpr uint32_t kMaxChunks = 64;
-constexpr uint64_t kMaxOps = 1u << 24;  // keeps a simulation within a few hundred MB
+// Keeps a simulation (made on the caller's thread) to about 250 MB and a second or two: about
+// 60 bytes per op while it runs. p = 128, m = 1024, v = 8 is still in.
+constexpr uint64_t kMaxOps = 1u << 22;
 // An hour per op: long enough for any real model, small enough that an iteration's sum of
 // times can never overflow 64 bits with the limits above.
 constexpr uint64_t kMaxOpNs = 3600ull * 1000 * 1000 * 1000;
@@ -33,6 +35,10 @@ bool validate(const ScheduleParams& p, std::string* error) {
     return fail(error, "microbatches must be 1.." + std::to_string(kMaxMicrobatches) + ", got " +
                            std::to_string(p.microbatches));
   if (p.kind == ScheduleKind::kInterleaved) {
+    // With one stage every chunk runs on the same device: no transfer, nothing to wait for.
+    if (p.stages < 2)
+      return fail(error, "interleaved needs at least 2 stages (one stage has no pipeline to "
+                         "interleave; use 1f1b)");
     if (p.chunks < 2 || p.chunks > kMaxChunks)
       return fail(error, "interleaved needs 2.." + std::to_string(kMaxChunks) +
                              " chunks per stage, got " + std::to_string(p.chunks) +
@@ -173,7 +179,8 @@ bool parse_schedule_kind(std::string_view text, ScheduleKind* out) {
 
 double Schedule::bubble_fraction() const {
   if (stages.empty() || iteration_ns == 0) return 0;
-  uint64_t idle = 0;
+  // Summed wide: each stage's idle time fits 64 bits, a thousand of them may not.
+  unsigned __int128 idle = 0;
   for (const auto& st : stages) idle += st.idle_ns;
   return static_cast<double>(idle) / (static_cast<double>(iteration_ns) * stages.size());
 }

@@ -6,7 +6,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
+#include <climits>
+#include <cstdlib>
 #include <cstring>
 
 #include "core/clock.h"
@@ -25,6 +28,32 @@ constexpr int64_t kLivenessSliceNs = 100'000'000;
 constexpr uint64_t kMinSpinNs = 1'000;
 constexpr uint64_t kMaxWaitOptionNs = 1'000'000'000;  // wake_lead_ns and spin_ns
 constexpr uint64_t kReattachPollNs = 50'000'000;
+
+// A number the node agent put in a task's environment (see Task::attach). Absent or empty:
+// *found = false. Otherwise it must be a whole number in [lo, hi] (unsigned when lo == 0).
+bb_status env_number(const char* var, long long lo, unsigned long long hi,
+                     unsigned long long* out, bool* found) {
+  *found = false;
+  const char* v = std::getenv(var);
+  if (!v || !*v) return BB_OK;
+  char* end = nullptr;
+  errno = 0;
+  bool ok = std::isdigit(static_cast<unsigned char>(v[0])) || (lo < 0 && v[0] == '-');
+  if (lo < 0) {
+    const long long x = std::strtoll(v, &end, 10);
+    ok = ok && errno == 0 && *end == 0 && x >= lo && (x < 0 || (unsigned long long)x <= hi);
+    *out = static_cast<unsigned long long>(x);
+  } else {
+    const unsigned long long x = std::strtoull(v, &end, 10);
+    ok = ok && errno == 0 && *end == 0 && x <= hi;
+    *out = x;
+  }
+  if (!ok)
+    return fail(BB_E_INVALID, "%s is '%s', not a whole number in %lld..%llu: the node agent "
+                "sets it from the submission; correct it or unset it", var, v, lo, hi);
+  *found = true;
+  return BB_OK;
+}
 
 }  // namespace
 
@@ -46,12 +75,22 @@ bb_status Task::attach(const char* job_id, uint32_t rank, const char* name,
                 opts.wake_lead_ns > kMaxWaitOptionNs ? "wake_lead_ns" : "spin_ns",
                 (unsigned long long)(opts.wake_lead_ns > kMaxWaitOptionNs ? opts.wake_lead_ns
                                                                           : opts.spin_ns));
+  // A task the node agent launched carries its submission's priority and memory need
+  // (bubblectl submit --priority, --mem) in its environment: they apply where the options
+  // leave 0, so the hub sees what the agent placed the task by.
+  bb_task_options_t eff = opts;
+  unsigned long long v = 0;
+  bool found = false;
+  if ((st = env_number("BUBBLE_PRIORITY", INT32_MIN, INT32_MAX, &v, &found)) != BB_OK) return st;
+  if (found && eff.priority == 0) eff.priority = int32_t(static_cast<long long>(v));
+  if ((st = env_number("BUBBLE_MEM_NEED", 0, UINT64_MAX, &v, &found)) != BB_OK) return st;
+  if (found && eff.mem_need == 0) eff.mem_need = v;
   std::unique_ptr<Task> t(new Task());
   if ((st = resolve_runtime_dir(opts.runtime_dir, false, &t->dir_)) != BB_OK) return st;
   t->job_ = job_id;
   t->name_ = name;
   t->rank_ = rank;
-  t->opts_ = opts;
+  t->opts_ = eff;
   t->opts_.runtime_dir = nullptr;
   t->spin_ns_ = opts.spin_ns;
   if ((st = t->connect()) != BB_OK) return st;
@@ -91,6 +130,7 @@ void Task::release() {
   pending_fd_id_ = 0;
   started_report_.count = 0;  // of a run on the old hub
   ctl_ = nullptr;
+  alive_word_ = nullptr;
   page_ = nullptr;
   hub_.base = nullptr;
   page_map_.reset();
@@ -201,6 +241,12 @@ bb_status Task::connect() {
   hub_ = view;
   slot_ = r.slot;
   ctl_ = hub_.slot(slot_);
+  // Read after the attach was answered, so after the service thread took the mutex; anything
+  // but a 4-aligned offset inside the mutex leaves the task without the one-load check.
+  const uint32_t alive = hub_.stats()->alive_word.load(std::memory_order_acquire);
+  alive_word_ = alive % 4 == 0 && alive <= sizeof(shm::HubStats::alive_mutex) - 4
+                    ? reinterpret_cast<const uint32_t*>(hub_.stats()->alive_mutex + alive)
+                    : nullptr;
   page_ = reinterpret_cast<shm::TaskPage*>(page_map_.data());
   page_->state.store(uint32_t(shm::TaskRunState::kIdle), std::memory_order_release);
   epoch_ = 0;
@@ -213,7 +259,7 @@ bb_status Task::connect() {
 
 bool Task::trainer_gone() const {
   if (!sock_) return true;
-  if (hub_.stats()->closing.load(std::memory_order_acquire)) return true;
+  if (hub_.stats()->closing.load(std::memory_order_acquire) || trainer_died()) return true;
   pollfd p{sock_.get(), POLLIN, 0};
   if (poll(&p, 1, 0) <= 0) return false;
   if (p.revents & (POLLHUP | POLLERR)) return true;

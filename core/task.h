@@ -31,6 +31,7 @@ class Task {
   // the same cache line as run_epoch.
   bool should_pause() const {
     return trainer_lost_ || ctl_->run_epoch.load(std::memory_order_acquire) != epoch_ ||
+           trainer_died() ||
            (grant_id_ != 0 && ctl_->grant_change.load(std::memory_order_relaxed) != grant_seen_);
   }
   bb_status ack_pause();
@@ -48,6 +49,13 @@ class Task {
   bb_status reattach(uint64_t wait_until = UINT64_MAX);
   void release();             // drop the connection and mappings
   bool trainer_gone() const;  // the connection closed or the hub is closing
+  // One load, no system call: the futex word of the mutex the trainer's hub service holds for
+  // its life (shm::HubStats::alive_mutex) says the trainer died (or closed the hub).
+  bool trainer_died() const {
+    if (!alive_word_) return false;
+    const uint32_t w = __atomic_load_n(alive_word_, __ATOMIC_RELAXED);
+    return w == 0 || (w & shm::kFutexOwnerDied) != 0;
+  }
   // While running: a trainer that dies mid-bubble never clears run_epoch, so the calls a running
   // task makes anyway (report_step, time_left; every step of bb_task_run) look at the connection
   // every 100 ms and make should_pause() true once it is gone.
@@ -80,6 +88,7 @@ class Task {
   shm::Mapping hub_map_, page_map_;
   shm::HubView hub_;
   const shm::SlotCtl* ctl_ = nullptr;
+  const uint32_t* alive_word_ = nullptr;  // see trainer_died(); null where the hub has none
   shm::TaskPage* page_ = nullptr;
   uint32_t slot_ = 0;
 

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
 #include <signal.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
@@ -99,6 +100,30 @@ struct Trainer::Conn {
 };
 
 namespace {
+
+// The hub's liveness mutex (shm::HubStats::alive_mutex) and where its futex word sits.
+pthread_mutex_t* alive_mutex(const shm::HubView& hub) {
+  return reinterpret_cast<pthread_mutex_t*>(hub.stats()->alive_mutex);
+}
+static_assert(sizeof(pthread_mutex_t) <= sizeof(shm::HubStats::alive_mutex));
+static_assert(alignof(pthread_mutex_t) <= shm::kCacheLine);
+#if defined(__GLIBC__)
+// glibc keeps the kernel's robust-futex word first in its mutex (bits/struct_mutex.h).
+constexpr uint32_t kAliveWordOffset = uint32_t(offsetof(pthread_mutex_t, __data.__lock));
+static_assert(kAliveWordOffset % 4 == 0);
+#else
+constexpr uint32_t kAliveWordOffset = shm::kNoAliveWord;
+#endif
+
+bool init_alive_mutex(pthread_mutex_t* m) {
+  pthread_mutexattr_t a;
+  if (pthread_mutexattr_init(&a) != 0) return false;
+  const bool ok = pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED) == 0 &&
+                  pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST) == 0 &&
+                  pthread_mutex_init(m, &a) == 0;
+  pthread_mutexattr_destroy(&a);
+  return ok;
+}
 
 constexpr uint64_t kHelloTimeoutNs = 2'000'000'000ull;
 constexpr size_t kMaxPeers = 64;  // connections holding no task slot
@@ -222,6 +247,9 @@ bb_status Trainer::init(const char* job_id, uint32_t rank, const bb_trainer_opti
   bubble_->free_mem.store(BB_MEM_UNKNOWN, std::memory_order_relaxed);
   bubble_log_.attach(hub_, shm::EventStream::kBubble);
   service_log_.attach(hub_, shm::EventStream::kService);
+  // Taken by the service thread when it starts (serve()); until then tasks are told nothing.
+  hub_.stats()->alive_word.store(shm::kNoAliveWord, std::memory_order_relaxed);
+  alive_init_ = init_alive_mutex(alive_mutex(hub_));
   if (!shm::seal_read_only(hub_fd_.get(), &err)) return fail_msg(BB_E_SYSTEM, err);
 
   slots_.reset(new Slot[opts_.max_slots]);
@@ -272,6 +300,10 @@ void Trainer::shutdown() {
     uint64_t one = 1;
     (void)!write(wake_fd_.get(), &one, sizeof one);
     service_.join();
+  }
+  if (alive_init_) {
+    pthread_mutex_destroy(alive_mutex(hub_));
+    alive_init_ = false;
   }
   conns_.clear();
   // Tasks killed for their grants die on their own; the memory goes back with the lender.
@@ -474,6 +506,11 @@ void Trainer::end_locked(uint64_t now) {
   open_ = false;
   const uint64_t dur = now - begin_ns_;
   predictor_.observe(kind_, dur);  // every bubble, so positions stay in step with the iteration
+  if (iteration_pending_) {
+    iteration_pending_ = false;
+    predictor_.begin_iteration();
+    gap_predictor_.begin_iteration();
+  }
   const uint64_t v = b->version.load(std::memory_order_relaxed);
   b->version.store(v + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
@@ -542,6 +579,13 @@ bb_status Trainer::set_schedule(const bb_schedule_t& sc) {
 }
 
 void Trainer::iteration() {
+  // A bubble still open belongs to the iteration that is ending: it is observed at its own
+  // position when it ends, and the new iteration starts then (starting it now would record the
+  // open bubble as the new iteration's first, and put every later position one off).
+  if (open_) {
+    iteration_pending_ = true;
+    return;
+  }
   predictor_.begin_iteration();
   gap_predictor_.begin_iteration();
 }
@@ -634,6 +678,11 @@ bb_status Trainer::stop_slot(uint64_t task_id) {
 // Service thread.
 
 void Trainer::serve() {
+  // Held for as long as this thread serves, so the kernel marks it if the trainer process dies
+  // (shm::HubStats::alive): the word is published only once held, before any task attaches.
+  const bool alive_held = alive_init_ && pthread_mutex_lock(alive_mutex(hub_)) == 0;
+  if (alive_held && kAliveWordOffset != shm::kNoAliveWord)
+    hub_.stats()->alive_word.store(kAliveWordOffset, std::memory_order_release);
   std::vector<pollfd> pfds;
   // What each pollfd is: -1 wake fd, -2 listen fd, >= 0 conn index, -10 - i slot i's pidfd,
   // kDoomedBase - k doomed_[k]'s pidfd.
@@ -726,6 +775,9 @@ void Trainer::serve() {
     free_released();
   }
   drain_reports();
+  // The hub is closing (tasks were told): the word reads 0 from here on, which a task also
+  // takes for a trainer that is gone.
+  if (alive_held) pthread_mutex_unlock(alive_mutex(hub_));
   // Fail whatever is still queued: nobody will serve it.
   std::lock_guard<std::mutex> lock(req_mu_);
   service_done_ = true;

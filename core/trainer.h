@@ -139,6 +139,7 @@ class Trainer {
   uint32_t rr_cursor_ = 0;
   uint32_t n_running_ = 0;
   bool open_ = false;
+  bool iteration_pending_ = false;  // iteration() came while a bubble was open: see iteration()
   bb_bubble_kind kind_ = BB_BUBBLE_OTHER;
   uint64_t seen_changes_ = 0;
   uint64_t begin_ns_ = 0;
@@ -191,6 +192,7 @@ class Trainer {
   std::condition_variable req_cv_;
   std::vector<Request*> requests_;
   bool service_done_ = false;
+  bool alive_init_ = false;  // the hub's liveness mutex is initialised (shm::HubStats::alive_mutex)
   // Service thread only: tasks killed after leaving their slot, whose grants are released when
   // the kernel says they are gone; and whether a grant was released since one failed for room.
   struct Doomed {

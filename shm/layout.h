@@ -22,7 +22,8 @@ constexpr uint64_t kHubMagic = 0x3142554842425542ull;   // "BUBBHUB1" little-end
 constexpr uint64_t kPageMagic = 0x3147415042425542ull;  // "BUBBPAG1"
 // 2: the event log became one stream per writer; the slot's first line became its signal line.
 // 4: the command ring is gone (the signal line carries every start and pause).
-constexpr uint32_t kLayoutVersion = 4;
+// 5: HubStats::alive, the trainer's life readable with one load.
+constexpr uint32_t kLayoutVersion = 5;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kNameBytes = 48;  // BB_NAME_MAX + NUL
 constexpr uint32_t kReportRingSize = 64;
@@ -82,7 +83,22 @@ struct alignas(kCacheLine) HubStats {
   std::atomic<uint64_t> wakes;
   std::atomic<uint32_t> attached;
   std::atomic<uint32_t> closing;      // the trainer is closing the hub
+  // Whether the trainer process lives, for a running task that only polls should_pause: a
+  // process-shared robust mutex that the hub service thread holds from before it accepts any
+  // task until the hub closes. When the trainer dies (killed, crashed, exec'd), the kernel
+  // marks the mutex's futex word with FUTEX_OWNER_DIED; a task reads the word (one load, no
+  // system call) and learns that nobody will end its bubble. Only the word is part of this
+  // contract, not the libc's mutex around it: `alive_word` is its byte offset in `alive_mutex`
+  // (4-aligned), or kNoAliveWord where the trainer's libc lays the mutex out in a way the
+  // library does not know (tasks then notice a dead trainer from their connection, within
+  // 100 ms of a call that looks).
+  alignas(kCacheLine) unsigned char alive_mutex[48];
+  std::atomic<uint32_t> alive_word;
 };
+constexpr uint32_t kNoAliveWord = UINT32_MAX;
+// The kernel's robust-futex word: the holder's thread id in the low 30 bits, and this bit once
+// the holder died without unlocking (linux/futex.h).
+constexpr uint32_t kFutexOwnerDied = 0x40000000u;
 
 enum class ReportType : uint32_t {
   kNone = 0, kStarted = 1, kPaused = 2, kStep = 3, kFinished = 4, kFailed = 5

@@ -85,7 +85,7 @@ type GrantStats struct {
 }
 
 // TaskGrant is the grant a task maps. Its memory stays mapped until the task's next WaitStart,
-// AckPause, AckRevoke, Grant or Close (for a step's grant: until the step returns).
+// AckPause, AckRevoke or Close (for a step's grant: until the step returns); Grant only maps.
 type TaskGrant struct {
 	ID      uint64
 	Backend GrantBackend

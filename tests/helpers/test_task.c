@@ -124,6 +124,9 @@ static int on_step(void *user, const bb_step_info_t *info) {
 
 static unsigned long idle_at = 0, idles = 0;
 static int idle_fail = 0, in_bubble = 0, old_callbacks = 0;
+/* --no-reports: the imperative loop polls should_pause only (never report_step), as the
+ * simplest task does. */
+static int no_reports = 0;
 
 static int on_idle(void *user) {
   (void)user;
@@ -187,6 +190,7 @@ int main(int argc, char **argv) {
       ++i;
     } else if (!strcmp(a, "--resume-us")) resume_ns = strtoull(v, NULL, 10) * 1000, ++i;
     else if (!strcmp(a, "--old-callbacks")) old_callbacks = 1;
+    else if (!strcmp(a, "--no-reports")) no_reports = 1;
     else if (!strcmp(a, "--wait")) opts.on_trainer_exit = BB_ON_TRAINER_EXIT_WAIT;
     else if (!strcmp(a, "--reattach-ms")) opts.reattach_timeout_ns = strtoull(v, NULL, 10) * 1000000, ++i;
     else if (!strcmp(a, "--grant-seed")) grant_seed = (uint32_t)strtoul(v, NULL, 10), grant_seed_set = 1, ++i;
@@ -266,7 +270,7 @@ int main(int argc, char **argv) {
         busy(step_ns);
         point("step");
         ++steps;
-        bb_task_report_step(task, bb_now_ns() - t0);
+        if (!no_reports) bb_task_report_step(task, bb_now_ns() - t0);
       }
       point("pause-seen");
       bb_task_ack_pause(task);

@@ -81,9 +81,11 @@ TEST_CASE("start_pause_stop_cycle") {
     CHECK(tasks[0].pid == task.pid());
     // Stop: the task finishes, reports BB_E_STOPPED and detaches; its slot is freed.
     REQUIRE(bb_trainer_stop_task(t.h, tasks[0].id) == BB_OK);
+    const uint64_t starts_at_stop = t.stats().starts;
     CHECK(task.wait_line("RESULT").find("BB_E_STOPPED") != std::string::npos);
     CHECK(task.wait_exit() == 0);
     REQUIRE(t.bubbles_until([&] { return t.stats().tasks_reclaimed == 1; }, 200));
+    CHECK(t.stats().starts == starts_at_stop);  // no bubble begun after the stop started it
     CHECK(t.stats().tasks_attached == 0);
     CHECK(t.tasks().empty());
   }
@@ -444,6 +446,46 @@ TEST_CASE("trainer_tasks_takes_the_element_size_as_the_stride") {
         std::string::npos);
 }
 
+TEST_CASE("a_task_the_agent_launched_takes_its_priority_and_memory_need_from_its_environment") {
+  RuntimeDir dir;
+  Trainer t("envopts");
+  // What bubbled puts in a task's environment for `bubblectl submit --priority -3 --mem 12345`.
+  struct Env {
+    Env() {
+      setenv("BUBBLE_PRIORITY", "-3", 1);
+      setenv("BUBBLE_MEM_NEED", "12345", 1);
+    }
+    ~Env() {
+      unsetenv("BUBBLE_PRIORITY");
+      unsetenv("BUBBLE_MEM_NEED");
+    }
+  } env;
+  bb_task_h plain = nullptr, explicit_prio = nullptr;
+  REQUIRE(bb_task_attach("envopts", 0, "plain", nullptr, &plain) == BB_OK);
+  bb_task_options_t o;
+  bb_task_options_init(&o);
+  o.priority = 9;  // what the program states itself wins
+  REQUIRE(bb_task_attach("envopts", 0, "explicit", &o, &explicit_prio) == BB_OK);
+  REQUIRE(eventually([&] { return t.tasks().size() == 2; }));
+  for (const auto& info : t.tasks()) {
+    CAPTURE(info.name);
+    const bool is_plain = std::string(info.name) == "plain";
+    CHECK(info.priority == (is_plain ? -3 : 9));
+    CHECK(info.mem_need == 12345);
+  }
+  CHECK(bb_task_detach(plain) == BB_OK);
+  CHECK(bb_task_detach(explicit_prio) == BB_OK);
+  // Anything but a whole number in range is refused, naming the variable.
+  setenv("BUBBLE_MEM_NEED", "2G", 1);
+  bb_task_h bad = nullptr;
+  CHECK(bb_task_attach("envopts", 0, "bad", nullptr, &bad) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("BUBBLE_MEM_NEED is '2G'") != std::string::npos);
+  setenv("BUBBLE_MEM_NEED", "1", 1);
+  setenv("BUBBLE_PRIORITY", "3000000000", 1);
+  CHECK(bb_task_attach("envopts", 0, "bad", nullptr, &bad) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("BUBBLE_PRIORITY") != std::string::npos);
+}
+
 TEST_CASE("full_slot_table_refuses_with_a_clear_error") {
   RuntimeDir dir;
   const auto shm_before = bbtest::dev_shm();
@@ -541,21 +583,37 @@ TEST_CASE("hung_task_never_stalls_the_trainer") {
   CHECK(seen == 1);
 }
 
-TEST_CASE("trainer_killed_mid_bubble_running_task_pauses_and_is_told") {
+namespace {
+
+// One long bubble: a task of `task_opts` is running inside it when the trainer is killed. The
+// task must end the bubble, see BB_E_TRAINER_GONE at its next wait, and exit 0.
+void kill_trainer_mid_bubble(const char* job, std::vector<std::string> task_opts) {
   RuntimeDir dir;
-  // One long bubble: the task is running inside it when the trainer dies.
-  Child trainer({trainer_bin(), "midbubble", "0", "--bubble-us", "30000000", "--gap-us", "1000",
+  Child trainer({trainer_bin(), job, "0", "--bubble-us", "30000000", "--gap-us", "1000",
                  "--await-tasks", "1"});
   REQUIRE(trainer.wait_line("OPEN") != "");
-  Child task(task_args("midbubble", "busy", "imperative", {"--step-us", "1000"}));
+  Child task(task_args(job, "busy", "imperative", std::move(task_opts)));
   REQUIRE(task.wait_line("ATTACHED") != "");
   REQUIRE(task.wait_line("STARTED", 10000) != "");
   trainer.signal(SIGKILL);
   CHECK(trainer.wait_exit() != -1);
-  // Nobody will ever clear the run word: the runtime notices the dead connection while the task
-  // reports its steps, should_pause turns true, and the next wait says the trainer is gone.
   CHECK(task.wait_line("RESULT", 5000).find("BB_E_TRAINER_GONE") != std::string::npos);
   CHECK(task.wait_exit(5000) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("trainer_killed_mid_bubble_running_task_pauses_and_is_told") {
+  // Nobody will ever clear the run word: should_pause turns true (the kernel marks the trainer's
+  // liveness word; the runtime also notices the dead connection while the task reports its
+  // steps), and the next wait says the trainer is gone.
+  kill_trainer_mid_bubble("midbubble", {"--step-us", "1000"});
+}
+
+TEST_CASE("trainer_killed_mid_bubble_a_task_that_only_polls_should_pause_is_told") {
+  // The task calls nothing but should_pause while it runs: no report, no time_left, nothing
+  // that would look at its connection. The trainer's death must still end the bubble for it.
+  kill_trainer_mid_bubble("midpoll", {"--step-us", "100", "--no-reports"});
 }
 
 TEST_CASE("observer_merges_the_bubble_and_service_event_streams") {

@@ -13,10 +13,11 @@
 #include "tests/helpers/proc.h"
 #include "tests/helpers/trainer_fixture.h"
 
-TEST_CASE("declared_schedule_predicts_bubbles_from_the_first_iteration") {
-  bbtest::RuntimeDir dir;
-  bb_trainer_h t = nullptr;
-  REQUIRE(bb_trainer_open("sched", 1, nullptr, &t) == BB_OK);
+namespace {
+
+// Declares 1F1B, 4 stages, 8 micro-batches, stage 1, forward 1 ms, backward 2 ms on the hub,
+// and returns the bubbles the schedule model gives that stage.
+std::vector<bb::core::ScheduledBubble> declare_1f1b_stage1(bb_trainer_h t) {
   bb_schedule_t sc;
   bb_schedule_init(&sc);
   sc.kind = BB_SCHEDULE_1F1B;
@@ -26,7 +27,6 @@ TEST_CASE("declared_schedule_predicts_bubbles_from_the_first_iteration") {
   sc.fwd_ns = 1'000'000;
   sc.bwd_ns = 2'000'000;
   REQUIRE(bb_trainer_set_schedule(t, &sc) == BB_OK);
-
   bb::core::ScheduleParams p;
   p.kind = bb::core::ScheduleKind::k1F1B;
   p.stages = 4;
@@ -36,8 +36,18 @@ TEST_CASE("declared_schedule_predicts_bubbles_from_the_first_iteration") {
   bb::core::Schedule model;
   std::string err;
   REQUIRE(bb::core::simulate_schedule(p, &model, &err) == BB_OK);
-  const auto& bubbles = model.stages[1].bubbles;
+  return model.stages[1].bubbles;
+}
+
+}  // namespace
+
+TEST_CASE("declared_schedule_predicts_bubbles_from_the_first_iteration") {
+  bbtest::RuntimeDir dir;
+  bb_trainer_h t = nullptr;
+  REQUIRE(bb_trainer_open("sched", 1, nullptr, &t) == BB_OK);
+  const auto bubbles = declare_1f1b_stage1(t);
   REQUIRE(bubbles.size() >= 2);
+  std::string err;
 
   std::unique_ptr<bb::core::HubObserver> obs;
   REQUIRE(bb::core::HubObserver::open("", "sched", 1, &obs, &err) == BB_OK);
@@ -52,6 +62,13 @@ TEST_CASE("declared_schedule_predicts_bubbles_from_the_first_iteration") {
   obs.reset();
 
   // What the schedule model rejects comes back as a clear error.
+  bb_schedule_t sc;
+  bb_schedule_init(&sc);
+  sc.kind = BB_SCHEDULE_1F1B;
+  sc.stages = 4;
+  sc.microbatches = 8;
+  sc.fwd_ns = 1'000'000;
+  sc.bwd_ns = 2'000'000;
   sc.stage = 4;
   CHECK(bb_trainer_set_schedule(t, &sc) == BB_E_INVALID);
   CHECK(std::string(bb_last_error()).find("stage 4 is out of range") != std::string::npos);
@@ -144,6 +161,41 @@ std::vector<Seen> run_receive_iteration(const char* job, bool declare,
 }
 
 }  // namespace
+
+TEST_CASE("an_iteration_marked_while_a_bubble_is_open_starts_when_that_bubble_ends") {
+  bbtest::RuntimeDir dir;
+  bb_trainer_h t = nullptr;
+  REQUIRE(bb_trainer_open("sched-open", 1, nullptr, &t) == BB_OK);
+  const auto bubbles = declare_1f1b_stage1(t);
+  std::string err;
+  REQUIRE(bubbles.size() >= 2);
+  REQUIRE(bubbles[0].duration_ns != bubbles[1].duration_ns);  // a shift would show
+
+  std::unique_ptr<bb::core::HubObserver> obs;
+  REQUIRE(bb::core::HubObserver::open("", "sched-open", 1, &obs, &err) == BB_OK);
+  // A bubble of the warm-up before training (no iteration marked yet) is still open when the
+  // first iteration is marked, and the next begin closes it: it belongs before the iteration,
+  // so every bubble of the iteration gets its own position's declared length.
+  REQUIRE(bb_bubble_begin(t, 0, BB_MEM_UNKNOWN, BB_BUBBLE_OTHER) == BB_OK);
+  REQUIRE(bb_trainer_iteration(t) == BB_OK);
+  for (size_t i = 0; i < bubbles.size(); ++i) {
+    CAPTURE(i);
+    REQUIRE(bb_bubble_begin(t, 0, BB_MEM_UNKNOWN, bubbles[i].kind) == BB_OK);
+    const auto snap = obs->snapshot();
+    CHECK(snap.bubble_deadline_ns - snap.bubble_begin_ns == bubbles[i].duration_ns);
+    if (i + 1 < bubbles.size()) REQUIRE(bb_bubble_end(t) == BB_OK);
+  }
+  // The iteration's last bubble is open too when the next iteration is marked: the next
+  // iteration's first bubble is still predicted at position 0 (the lower of its declared
+  // length and the one observation there), not from position 1.
+  REQUIRE(bb_trainer_iteration(t) == BB_OK);
+  REQUIRE(bb_bubble_begin(t, 0, BB_MEM_UNKNOWN, bubbles[0].kind) == BB_OK);
+  const auto snap = obs->snapshot();
+  CHECK(snap.bubble_deadline_ns - snap.bubble_begin_ns <= bubbles[0].duration_ns);
+  REQUIRE(bb_bubble_end(t) == BB_OK);
+  obs.reset();
+  CHECK(bb_trainer_close(t) == BB_OK);
+}
 
 TEST_CASE("published_schedule_with_measured_times_predicts_the_first_iteration") {
   bbtest::RuntimeDir dir;

@@ -43,7 +43,7 @@ std::vector<uint64_t> feed(BubblePredictor& pr, const std::vector<Slot>& it, dou
 TEST_CASE("predictor_state_is_fixed_size") {
   // No heap behind it: the trainer embeds it and copies nothing on the bubble path.
   CHECK(std::is_trivially_copyable_v<BubblePredictor>);
-  CHECK(sizeof(BubblePredictor) < 16 * 1024);
+  CHECK(sizeof(BubblePredictor) <= 72 * 1024);
 }
 
 TEST_CASE("predictor_knows_nothing_before_history") {
@@ -166,7 +166,16 @@ TEST_CASE("predictor_seed_serves_until_observed") {
   pr.observe(BB_BUBBLE_STEADY, 100'000);
   CHECK(pr.predict(BB_BUBBLE_COOLDOWN) == 500'000);
   pr.observe(BB_BUBBLE_COOLDOWN, 700'000);
-  // Observations replace seeds entirely.
+  // One observation longer than the seed: the seed still bounds the prediction (the first
+  // iteration is often the slow one); an unseeded position predicts what it saw.
+  pr.begin_iteration();
+  CHECK(pr.predict(BB_BUBBLE_WARMUP) == 2'000'000);
+  pr.observe(BB_BUBBLE_WARMUP, 2'500'000);
+  CHECK(pr.predict(BB_BUBBLE_STEADY) == 100'000);
+  pr.observe(BB_BUBBLE_STEADY, 100'000);
+  CHECK(pr.predict(BB_BUBBLE_COOLDOWN) == 500'000);
+  pr.observe(BB_BUBBLE_COOLDOWN, 700'000);
+  // From the second observation on, observations replace seeds entirely.
   pr.begin_iteration();
   CHECK(pr.predict(BB_BUBBLE_WARMUP) == 2'500'000);
   pr.observe(BB_BUBBLE_WARMUP, 2'500'000);
@@ -181,6 +190,37 @@ TEST_CASE("predictor_seed_serves_until_observed") {
   std::vector<uint64_t> big(BubblePredictor::kMaxPositions + 50, 42);
   pr.seed(big.data(), static_cast<uint32_t>(big.size()));
   CHECK(pr.predict(BB_BUBBLE_WARMUP) == 2'500'000);
+}
+
+TEST_CASE("predictor_a_slow_first_iteration_does_not_become_the_next_deadline") {
+  // Declared: 3 ms and 0.4 ms. The first iteration is 600 times slower (communicators being
+  // set up): the second is still predicted from the declaration, a shorter one is believed at
+  // once, and from the third iteration on the lower of the two observations counts.
+  BubblePredictor pr;
+  const uint64_t seeds[] = {3'000'000, 400'000};
+  pr.seed(seeds, 2);
+  pr.begin_iteration();
+  pr.observe(BB_BUBBLE_WARMUP, 1'800'000'000);
+  pr.observe(BB_BUBBLE_STEADY, 300'000);
+  pr.begin_iteration();
+  CHECK(pr.predict(BB_BUBBLE_WARMUP) == 3'000'000);
+  pr.observe(BB_BUBBLE_WARMUP, 3'100'000);
+  CHECK(pr.predict(BB_BUBBLE_STEADY) == 300'000);
+  pr.observe(BB_BUBBLE_STEADY, 350'000);
+  pr.begin_iteration();
+  CHECK(pr.predict(BB_BUBBLE_WARMUP) == 3'100'000);
+  pr.observe(BB_BUBBLE_WARMUP, 3'100'000);
+  CHECK(pr.predict(BB_BUBBLE_STEADY) == 300'000);
+  // The same with lengths in model units, once the scale is known (1 ms per unit here).
+  bb::core::UnitScale scale{2'000'000, 2};
+  BubblePredictor units;
+  const uint64_t model[] = {3, 1};
+  units.seed_units(model, 2, &scale, false);
+  units.begin_iteration();
+  CHECK(units.predict(BB_BUBBLE_WARMUP) == 3'000'000);
+  units.observe(BB_BUBBLE_WARMUP, 900'000'000);
+  units.begin_iteration();
+  CHECK(units.predict(BB_BUBBLE_WARMUP) == 3'000'000);
 }
 
 TEST_CASE("predictor_forgets_a_position_whose_kind_changes") {
@@ -308,11 +348,12 @@ TEST_CASE("predictor_units_scale_by_the_compute_seen_in_the_first_iteration") {
 TEST_CASE("predictor_observations_replace_unit_seeds") {
   Measured m(1'000'000, 2'000'000);
   m.iterate(true);
-  // Every position observed once: the second iteration predicts what was seen, whatever the
+  m.iterate(false);
+  // Every position observed twice: the third iteration predicts what was seen, whatever the
   // model said (here the truth shifts to show whose number comes back).
   for (auto& t : m.true_len) t += 12'345;
-  const auto second = m.iterate(false);
-  for (size_t i = 0; i < second.size(); ++i) CHECK(second[i] == m.true_len[i] - 12'345);
+  const auto third = m.iterate(false);
+  for (size_t i = 0; i < third.size(); ++i) CHECK(third[i] == m.true_len[i] - 12'345);
   // A new declaration does not override observations either.
   m.lengths.seed_units(m.unit_len.data(), uint32_t(m.unit_len.size()), &m.scale, false);
   m.lengths.begin_iteration();

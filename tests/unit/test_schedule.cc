@@ -220,6 +220,15 @@ TEST_CASE("schedule_single_stage_has_no_bubbles") {
   }
 }
 
+TEST_CASE("schedule_bubble_fraction_of_long_iterations_does_not_overflow") {
+  // Hour-long ops on 1024 stages: each stage idles ~1e16 ns, their sum is past 64 bits.
+  Schedule s;
+  s.iteration_ns = 4'000'000'000'000'000'000ull;
+  s.stages.resize(1024);
+  for (auto& st : s.stages) st.idle_ns = 3'000'000'000'000'000'000ull;
+  CHECK(s.bubble_fraction() == doctest::Approx(0.75));
+}
+
 TEST_CASE("schedule_rejects_bad_parameters_with_a_message") {
   struct Bad {
     ScheduleParams sp;
@@ -239,6 +248,10 @@ TEST_CASE("schedule_rejects_bad_parameters_with_a_message") {
       {make(ScheduleKind::kZBH1, 4, 3, 10, 10, 1, 5), "at least as many microbatches"},
       {make(ScheduleKind::k1F1B, 4, 4, 1, 4000ull * 1000 * 1000 * 1000), "hour"},
       {make(ScheduleKind::k1F1B, 1024, 65536, 1, 1), "too large"},
+      // Just past the cap (p x m x v x 3 ops above 2^22): set_schedule runs this on the
+      // trainer's thread, so it must stay bounded in memory and time.
+      {make(ScheduleKind::kInterleaved, 128, 1024, 16, 16, 11), "too large"},
+      {make(ScheduleKind::kInterleaved, 1, 4, 10, 10, 2), "at least 2 stages"},
       {make(static_cast<ScheduleKind>(9), 4, 4, 1, 1), "unknown schedule kind"},
   };
   for (const auto& c : cases) {

@@ -5,9 +5,13 @@
  *   - every symbol starts with bb_ / BB_;
  *   - handles are opaque pointers named *_h; the function that creates one has an
  *     out-parameter, the matching close/detach function frees it and accepts NULL;
- *   - option and result structs end in _t and start with a uint32_t `size` that the caller
- *     sets (use the *_init() helper or the *_INIT macro); structs only ever grow at the end,
- *     the library reads min(caller size, own size) bytes and defaults newer fields;
+ *   - structs end in _t and start with a uint32_t `size` that the caller sets. Option structs
+ *     (passed in): use the *_init() helper or the *_INIT macro. Output structs
+ *     (bb_trainer_stats_t, bb_task_info_t, bb_start_info_t, bb_grant_info_t, bb_grant_stats_t,
+ *     bb_task_grant_t; bb_stream_timing_stats_t in bubble_cuda.h) have neither: set
+ *     out->size = sizeof *out before the call (under 8 gives BB_E_INVALID); the library writes
+ *     at most that many bytes. Structs only ever grow at the end: the library reads
+ *     min(caller size, own size) bytes of an option struct and defaults newer fields;
  *   - every function returns a bb_status (BB_OK is 0) unless its comment says otherwise;
  *     after a failure bb_last_error() holds one sentence saying what went wrong and what to do;
  *   - pointer arguments must not be NULL unless the comment says "may be NULL".
@@ -97,7 +101,8 @@ typedef enum bb_bubble_kind {
  * a side task; the only system call they can make is a futex wake of a sleeping task. Call them,
  * and bb_trainer_iteration and bb_trainer_set_schedule (which reset what they read), from one
  * thread at a time (the training loop's thread). Every other trainer function may be called from
- * any thread.
+ * any thread. None may run concurrently with bb_trainer_close, which frees the handle: the caller
+ * makes sure every other thread is out of its calls on the handle first, and makes none after.
  */
 typedef struct bb_trainer *bb_trainer_h;
 
@@ -135,7 +140,8 @@ BB_API bb_status bb_trainer_open(const char *job_id, uint32_t rank,
  * the hub's files and frees the handle. NULL is accepted. With memory lent, it first takes every
  * grant back: tasks give theirs back as they leave; one that has not within 1 s is killed, and
  * close returns once it is reported dead (so at most about 3 s with a task that clings on). After
- * it returns no attached task maps the lent memory. */
+ * it returns no attached task maps the lent memory. No other call on the handle may run meanwhile
+ * or after. */
 BB_API bb_status bb_trainer_close(bb_trainer_h trainer);
 
 /* A bubble starts now. expected_ns: its expected length (0 = predict it from earlier bubbles of
@@ -204,8 +210,8 @@ BB_API void bb_schedule_init(bb_schedule_t *schedule);
 /* Declares the schedule: the predictor is seeded with this stage's bubble lengths and the gaps
  * between them, so bb_bubble_begin(expected_ns = 0) and predictive wake are right from the first
  * iteration (with measured times: from the second bubble of it). Seeds take effect by position
- * within an iteration, so mark iterations with bb_trainer_iteration. The predictor keeps 128
- * positions per iteration: bubbles past the 128th are not seeded and fall back to the history
+ * within an iteration, so mark iterations with bb_trainer_iteration. The predictor keeps 1024
+ * positions per iteration: bubbles past the 1024th are not seeded and fall back to the history
  * of their kind. A new declaration replaces the previous one; observed lengths stay. Call it
  * from the bubble thread before an iteration (it runs the schedule model: not bounded-time).
  * BB_E_INVALID names what the schedule model rejects. */
@@ -235,7 +241,7 @@ typedef struct bb_trainer_stats_t {
  * every 10 ms while tasks are attached (every 1 ms while a task reports faster than that drains),
  * so they trail by up to that much. A task sends its start
  * latency with its next report after the start (a step, or its ack), so the start-latency
- * figures trail by up to one run of the task. */
+ * figures trail by up to one run of the task. Set out->size first. */
 BB_API bb_status bb_trainer_stats(bb_trainer_h trainer, bb_trainer_stats_t *out);
 
 typedef struct bb_task_info_t {
@@ -260,18 +266,23 @@ typedef struct bb_task_info_t {
 
 /* Copies up to cap attached tasks into out (out may be NULL when cap is 0); *count receives the
  * number attached, which may exceed cap. Set size to sizeof(bb_task_info_t) in every element:
- * it is the array's stride, so a binary built against an older header gets the fields it knows. */
+ * it is the array's stride, so a binary built against an older header gets the fields it knows.
+ * BB_E_INVALID when out[0].size is under 8 or another element's differs. */
 BB_API bb_status bb_trainer_tasks(bb_trainer_h trainer, bb_task_info_t *out, size_t cap,
                                   size_t *count);
 /* Tells one task (by bb_task_info_t.id) to stop; it finishes and detaches. Any thread but the
  * bubble thread's hot path: the hub's service thread makes the stop (so it reaches that task and
  * never a later one in its slot), and the call waits for it, which takes one turn of that thread.
- * BB_E_NOT_FOUND: the task is no longer attached; BB_E_STATE: the hub is closing. */
+ * Once it returns, no bubble begun after starts the task; a bb_bubble_begin made concurrently
+ * on another thread may still start it once, as if it came first. BB_E_NOT_FOUND: the task is
+ * no longer attached; BB_E_STATE: the hub is closing. */
 BB_API bb_status bb_trainer_stop_task(bb_trainer_h trainer, uint64_t task_id);
 
 /* ---------------------------------------------------------------------------------------------
  * Side-task side. A task attaches to one hub and either hands the runtime its callbacks
- * (iterative) or runs its own loop (imperative). A task handle belongs to one thread at a time.
+ * (iterative) or runs its own loop (imperative). A task handle belongs to one thread at a time:
+ * no task call is safe concurrently with another on the same handle (bb_task_should_pause
+ * included), and bb_task_detach frees it, so no call may run meanwhile or after.
  */
 typedef struct bb_task *bb_task_h;
 
@@ -291,8 +302,10 @@ typedef enum bb_wake_mode {
 
 typedef struct bb_task_options_t {
   uint32_t size;
-  int32_t priority;             /* higher runs first; default 0 */
-  uint64_t mem_need;            /* device bytes the task needs during a bubble; default 0 */
+  int32_t priority;             /* higher runs first; default 0 (a task bubbled launched gets
+                                   $BUBBLE_PRIORITY, its submission's, where this is 0) */
+  uint64_t mem_need;            /* device bytes the task needs during a bubble; default 0
+                                   (likewise $BUBBLE_MEM_NEED) */
   uint64_t min_step_ns;         /* shortest useful step; default 0 */
   uint32_t on_trainer_exit;     /* bb_on_trainer_exit; default RETURN */
   uint32_t wake_mode;           /* bb_wake_mode; default PREDICTIVE */
@@ -343,11 +356,15 @@ typedef struct bb_start_info_t {
  * forever. BB_E_TIMEOUT, BB_E_STOPPED (finish and detach) and BB_E_TRAINER_GONE are the
  * expected non-OK results. The timeout holds while the task waits for its trainer to come back
  * (BB_ON_TRAINER_EXIT_WAIT) too: the next call goes on waiting toward the same
- * reattach_timeout_ns. out may be NULL. */
+ * reattach_timeout_ns. out may be NULL; if not, set out->size first (checked before the wait).
+ * *out is written only on BB_OK. */
 BB_API bb_status bb_task_wait_start(bb_task_h task, int64_t timeout_ns, bb_start_info_t *out);
-/* Imperative: 1 when the task must pause (the bubble ended, it was told to stop, or its memory
- * grant is being revoked), else 0. One load from shared memory (two while the task holds a
- * grant); returns an int, not a bb_status, and never fails. */
+/* Imperative: 1 when the task must pause (the bubble ended, it was told to stop, its memory
+ * grant is being revoked, or the trainer died or closed its hub), else 0. Two loads from shared
+ * memory (three while the task holds a grant), no system call: a loop that only polls this
+ * still learns at once that its trainer was killed mid-bubble (with glibc; elsewhere within
+ * 100 ms of a bb_task_report_step or bb_task_time_left call). Returns an int, not a bb_status,
+ * and never fails. */
 BB_API int bb_task_should_pause(bb_task_h task);
 /* Imperative: the task has stopped running device work for this bubble. */
 BB_API bb_status bb_task_ack_pause(bb_task_h task);
@@ -484,13 +501,15 @@ BB_API bb_status bb_trainer_unlend(bb_trainer_h trainer, uint64_t deadline_ns);
 /* Grants bytes (0 = its mem_need) of the lent memory to one task (by bb_task_info_t.id), which
  * must hold no grant; also lifts the hold a revoke put on it. *grant_id (may be NULL) receives
  * the grant's id. BB_E_NOMEM when no free extent is large enough, BB_E_FULL when max_grants are
- * live, BB_E_BUSY when the task holds a grant, BB_E_STATE when nothing is lent or it is being
- * taken back. */
+ * live, BB_E_BUSY when the task holds a grant (or its connection is full: try again shortly),
+ * BB_E_STATE when nothing is lent or it is being taken back, BB_E_NOT_FOUND when the task is not
+ * attached, BB_E_INVALID when bytes is 0 and the task stated no mem_need. */
 BB_API bb_status bb_trainer_grant(bb_trainer_h trainer, uint64_t task_id, uint64_t bytes,
                                   uint64_t *grant_id);
 /* Asks a task to give its grant back by deadline_ns (CLOCK_MONOTONIC; 0 = now + 1 s). Returns
  * once the request is sent; bb_trainer_task_grant and bb_trainer_grant_stats show its progress.
- * BB_E_NOT_FOUND when the task holds no grant, BB_E_STATE when it is already being revoked. */
+ * BB_E_NOT_FOUND when the task holds no grant (or is not attached), BB_E_STATE when it is already
+ * being revoked. */
 BB_API bb_status bb_trainer_revoke(bb_trainer_h trainer, uint64_t task_id, uint64_t deadline_ns);
 
 typedef enum bb_grant_state {
@@ -515,7 +534,8 @@ typedef struct bb_grant_info_t {
 } bb_grant_info_t;
 
 /* The grant of one task (by bb_task_info_t.id). A task without a grant gives BB_OK with
- * state BB_GRANT_STATE_NONE; a task id that is not attached gives BB_E_NOT_FOUND. */
+ * state BB_GRANT_STATE_NONE; a task id that is not attached gives BB_E_NOT_FOUND. Set out->size
+ * first. */
 BB_API bb_status bb_trainer_task_grant(bb_trainer_h trainer, uint64_t task_id,
                                        bb_grant_info_t *out);
 
@@ -542,6 +562,7 @@ typedef struct bb_grant_stats_t {
   uint64_t released_dead;    /* grants taken back from tasks that died or were killed */
 } bb_grant_stats_t;
 
+/* The lender's byte counts and the revoke protocol's counters. Set out->size first. */
 BB_API bb_status bb_trainer_grant_stats(bb_trainer_h trainer, bb_grant_stats_t *out);
 
 /* Task side. The runtime maps a grant when it is offered and unmaps it when it is revoked.
@@ -562,7 +583,7 @@ typedef struct bb_task_grant_t {
 
 /* The grant this task maps now (mapping one that was just offered). BB_E_NOT_FOUND when it holds
  * none; a mapping failure (e.g. BB_E_UNSUPPORTED: a CUDA grant without a CUDA driver in the task)
- * is reported once, and that grant is given back. */
+ * is reported once, and that grant is given back. Set out->size first. */
 BB_API bb_status bb_task_grant(bb_task_h task, bb_task_grant_t *out);
 /* If the trainer is revoking this task's grant: unmaps it and acks. Otherwise does nothing.
  * Stop all use of the grant (device work included) before calling. */

@@ -89,6 +89,7 @@ typedef struct bb_stream_timing_stats_t {
   uint64_t lag_sum_ns;
 } bb_stream_timing_stats_t;
 
+/* Set out->size first (BB_E_INVALID below 8). */
 BB_API bb_status bb_stream_timing_stats(bb_stream_timing_h timing, bb_stream_timing_stats_t *out);
 
 #ifdef __cplusplus

@@ -447,7 +447,8 @@ using start_info = bb_start_info_t;
 using step_info = bb_step_info_t;
 
 // The grant a task maps (bb_task_grant_t). The memory stays mapped until the task's next
-// wait_start, ack_pause, ack_revoke, grant or detach: do not keep the pointer past that.
+// wait_start, ack_pause, ack_revoke or detach: do not keep the pointer past that. grant()
+// only maps, never unmaps.
 struct task_grant {
   uint64_t id;
   grant_backend backend;
