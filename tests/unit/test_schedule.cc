@@ -2,7 +2,10 @@
 
 #include "core/schedule.h"
 
+#include <algorithm>
 #include <cmath>
+#include <map>
+#include <tuple>
 #include <string>
 #include <utility>
 #include <vector>
@@ -63,7 +66,89 @@ void check_consistent(const ScheduleParams& sp, const Schedule& s) {
   }
 }
 
+// The dependencies, checked against the simulated times: every op starts exactly when both its
+// stage is free and its input is there (its producer's end, plus the transfer when the producer
+// ran on another stage), and each stage runs every (type, micro-batch, chunk) exactly once
+// with its op time. Virtual stage k = chunk x p + stage: a forward at k needs the forward at
+// k - 1, a backward at k the backward at k + 1 (the last one its own forward), a weight pass
+// the backward of its stage.
+void check_dependencies(const ScheduleParams& sp, const Schedule& s) {
+  const uint32_t p = sp.stages, m = sp.microbatches, v = sp.chunks;
+  struct Key {
+    OpType type;
+    uint32_t mb, chunk, stage;
+    bool operator<(const Key& o) const {
+      return std::tie(type, mb, chunk, stage) < std::tie(o.type, o.mb, o.chunk, o.stage);
+    }
+  };
+  std::map<Key, const bb::core::ScheduledOp*> at;
+  for (uint32_t st = 0; st < p; ++st)
+    for (const auto& op : s.stages[st].ops) {
+      const Key k{op.type, op.microbatch, op.chunk, st};
+      CHECK(at.count(k) == 0);  // once
+      at[k] = &op;
+    }
+  const uint64_t dur[3] = {sp.fwd_ns / v, sp.bwd_ns / v, sp.wgrad_ns};
+  auto find = [&](OpType t, uint32_t mb, uint32_t virt) -> const bb::core::ScheduledOp* {
+    auto it = at.find(Key{t, mb, virt / p, virt % p});
+    REQUIRE(it != at.end());
+    return it->second;
+  };
+  for (uint32_t st = 0; st < p; ++st) {
+    uint64_t free_at = 0;
+    for (const auto& op : s.stages[st].ops) {
+      CAPTURE(st);
+      CAPTURE(int(op.type));
+      CAPTURE(op.microbatch);
+      CAPTURE(op.chunk);
+      REQUIRE(op.microbatch < m);
+      REQUIRE(op.chunk < v);
+      CHECK(op.end_ns - op.start_ns == dur[int(op.type)]);
+      const uint32_t virt = op.chunk * p + st;
+      uint64_t ready = 0;
+      auto input = [&](const bb::core::ScheduledOp* dep, uint32_t dep_virt) {
+        ready = dep->end_ns + (dep_virt % p != st ? sp.comm_ns : 0);
+      };
+      if (op.type == OpType::kForward) {
+        if (virt > 0) input(find(OpType::kForward, op.microbatch, virt - 1), virt - 1);
+      } else if (op.type == OpType::kBackward) {
+        if (virt + 1 < p * v) input(find(OpType::kBackward, op.microbatch, virt + 1), virt + 1);
+        else input(find(OpType::kForward, op.microbatch, virt), virt);
+      } else {
+        input(find(OpType::kBackward, op.microbatch, virt), virt);
+      }
+      CHECK(op.start_ns == std::max(free_at, ready));
+      free_at = op.end_ns;
+    }
+  }
+}
+
 }  // namespace
+
+TEST_CASE("schedule_every_op_starts_when_its_stage_is_free_and_its_input_has_arrived") {
+  const ScheduleParams cases[] = {
+      make(ScheduleKind::kGPipe, 4, 8, 1000, 2000),
+      make(ScheduleKind::kGPipe, 3, 2, 1000, 2000, 1, 0, 150),
+      make(ScheduleKind::k1F1B, 4, 8, 1000, 2000),
+      make(ScheduleKind::k1F1B, 4, 3, 1000, 2000, 1, 0, 100),
+      make(ScheduleKind::k1F1B, 8, 16, 700, 1500, 1, 0, 40),
+      make(ScheduleKind::kInterleaved, 4, 8, 1000, 2000, 2),
+      make(ScheduleKind::kInterleaved, 2, 4, 900, 1800, 3, 0, 50),
+      make(ScheduleKind::kInterleaved, 4, 16, 1200, 2400, 4, 0, 30),
+      make(ScheduleKind::kZBH1, 4, 8, 1000, 1000, 1, 1000),
+      make(ScheduleKind::kZBH1, 4, 4, 1000, 1500, 1, 0),
+      make(ScheduleKind::kZBH1, 6, 12, 1000, 1200, 1, 400, 80),
+  };
+  for (const auto& sp : cases) {
+    CAPTURE(bb::core::schedule_kind_name(sp.kind));
+    CAPTURE(sp.stages);
+    CAPTURE(sp.microbatches);
+    CAPTURE(sp.chunks);
+    const Schedule s = run(sp);
+    check_consistent(sp, s);
+    check_dependencies(sp, s);
+  }
+}
 
 TEST_CASE("schedule_gpipe_and_1f1b_match_closed_form") {
   for (auto kind : {ScheduleKind::kGPipe, ScheduleKind::k1F1B}) {
