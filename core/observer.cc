@@ -214,6 +214,8 @@ HubSnapshot HubObserver::snapshot() const {
     s.bubble_seq = b->seq.load(std::memory_order_relaxed);
     s.bubble_begin_ns = b->begin_ns.load(std::memory_order_relaxed);
     s.bubble_deadline_ns = b->deadline_ns.load(std::memory_order_relaxed);
+    s.bubble_end_ns = b->end_ns.load(std::memory_order_relaxed);
+    s.next_begin_ns = b->next_begin_ns.load(std::memory_order_relaxed);
     s.free_mem = b->free_mem.load(std::memory_order_relaxed);
     s.bubbles = b->bubbles.load(std::memory_order_relaxed);
     s.bubble_ns = b->bubble_ns.load(std::memory_order_relaxed);

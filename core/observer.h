@@ -61,6 +61,8 @@ struct HubSnapshot {
   uint64_t bubble_seq = 0;
   uint64_t bubble_begin_ns = 0;
   uint64_t bubble_deadline_ns = 0;
+  uint64_t bubble_end_ns = 0;           // of the last closed bubble
+  uint64_t next_begin_ns = 0;           // when the trainer expects the next bubble; 0 = no idea
   uint64_t free_mem = BB_MEM_UNKNOWN;   // of the current or last bubble
   uint64_t bubbles = 0;
   uint64_t bubble_ns = 0;

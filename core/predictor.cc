@@ -71,9 +71,10 @@ uint64_t BubblePredictor::predict(bb_bubble_kind kind) const noexcept {
       if (h.kind == k) return h.prediction;
     } else if (h.count == 1) {
       if (h.kind == k) {
-        // One observation is not trusted past the declaration: see seed().
+        // One observation is not trusted past the declaration: see seed(). A declared 1 ns
+        // (the model's "no wait here") bounds nothing: the observation shows there was one.
         const uint64_t d = h.seeded != kNone ? declared_ns(h) : 0;
-        return d != 0 && d < h.prediction ? d : h.prediction;
+        return d > 1 && d < h.prediction ? d : h.prediction;
       }
     } else if (h.seeded != kNone) {
       return declared_ns(h);
@@ -88,10 +89,11 @@ void BubblePredictor::observe(bb_bubble_kind kind, uint64_t duration_ns) noexcep
   if (marked_ && position_ < kMaxPositions) {
     History& h = positions_[position_];
     // Another kind at this position means the schedule changed: its old lengths, and what was
-    // declared for it, say nothing.
+    // declared for it (as a bound and as model units to measure by), say nothing.
     if (h.count > 0 && h.kind != k) {
       h.count = 0;
       h.seeded = kNone;
+      h.declared = 0;
     }
     if (h.count == 0) {
       h.next = 0;

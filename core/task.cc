@@ -49,8 +49,9 @@ bb_status env_number(const char* var, long long lo, unsigned long long hi,
     *out = x;
   }
   if (!ok)
-    return fail(BB_E_INVALID, "%s is '%s', not a whole number in %lld..%llu: the node agent "
-                "sets it from the submission; correct it or unset it", var, v, lo, hi);
+    return fail(BB_E_INVALID, "%s is '%s', but must be decimal digits%s, from %lld to %llu: the "
+                "node agent sets it from the submission; correct it or unset it", var, v,
+                lo < 0 ? " (a leading - allowed)" : "", lo, hi);
   *found = true;
   return BB_OK;
 }

@@ -30,9 +30,16 @@ class Task {
   // A task holding a grant also pauses when the grant words change (a revoke): the load is of
   // the same cache line as run_epoch.
   bool should_pause() const {
-    return trainer_lost_ || ctl_->run_epoch.load(std::memory_order_acquire) != epoch_ ||
-           trainer_died() ||
-           (grant_id_ != 0 && ctl_->grant_change.load(std::memory_order_relaxed) != grant_seen_);
+    if (trainer_lost_ || ctl_->run_epoch.load(std::memory_order_acquire) != epoch_ ||
+        trainer_died() ||
+        (grant_id_ != 0 && ctl_->grant_change.load(std::memory_order_relaxed) != grant_seen_))
+      return true;
+    // A trainer the kernel could not mark (its death still being dumped, or a kernel that
+    // lost its robust list) is noticed from the connection: every 64th call reads the clock,
+    // and at most every 100 ms looks (check_trainer_while_running).
+    if ((++pause_polls_ & 63) != 0) return false;
+    check_trainer_while_running();
+    return trainer_lost_;
   }
   bb_status ack_pause();
   bb_status report_step(uint64_t step_ns);
@@ -113,6 +120,7 @@ class Task {
   uint64_t stale_slice_ns_ = kFirstStaleSliceNs;  // predictive wake: see wait_for_doorbell
   uint64_t late_window_ns_ = 0;  // predictive wake: spin this long past the predicted begin
   mutable bool trainer_lost_ = false;           // see check_trainer_while_running
+  mutable uint32_t pause_polls_ = 0;            // should_pause calls, for its backstop
   mutable uint64_t next_liveness_check_ns_ = 0;
   bool missed_window_ = false;   // the last spin window ended before the bubble began
   static constexpr uint64_t kFirstStaleSliceNs = 1'000'000;

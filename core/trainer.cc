@@ -474,7 +474,9 @@ bb_status Trainer::end() {
 void Trainer::end_locked(uint64_t now) {
   shm::BubbleState* b = bubble_;
   // Publish the next bubble's predicted begin before pausing anyone, so a task that acks and
-  // goes back to waiting already sees it.
+  // goes back to waiting already sees it. An iteration marked while this bubble was open
+  // starts now: the next gap is the new iteration's first.
+  if (iteration_pending_) gap_predictor_.begin_iteration();
   const uint64_t gap = gap_predictor_.predict(BB_BUBBLE_OTHER);
   b->next_begin_ns.store(gap ? now + gap : 0, std::memory_order_relaxed);
   uint64_t wakes = 0, pauses = 0;
@@ -508,8 +510,7 @@ void Trainer::end_locked(uint64_t now) {
   predictor_.observe(kind_, dur);  // every bubble, so positions stay in step with the iteration
   if (iteration_pending_) {
     iteration_pending_ = false;
-    predictor_.begin_iteration();
-    gap_predictor_.begin_iteration();
+    predictor_.begin_iteration();  // the gap predictor's began above
   }
   const uint64_t v = b->version.load(std::memory_order_relaxed);
   b->version.store(v + 1, std::memory_order_relaxed);
@@ -588,6 +589,13 @@ void Trainer::iteration() {
   }
   predictor_.begin_iteration();
   gap_predictor_.begin_iteration();
+  // The last end published when the next bubble should begin from the gap that follows the
+  // last position; the gap before an iteration's first bubble (the optimizer step, loading
+  // data) is another one.
+  if (last_end_ns_ != 0) {
+    const uint64_t gap = gap_predictor_.predict(BB_BUBBLE_OTHER);
+    bubble_->next_begin_ns.store(gap ? last_end_ns_ + gap : 0, std::memory_order_relaxed);
+  }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -680,8 +688,15 @@ bb_status Trainer::stop_slot(uint64_t task_id) {
 void Trainer::serve() {
   // Held for as long as this thread serves, so the kernel marks it if the trainer process dies
   // (shm::HubStats::alive): the word is published only once held, before any task attaches.
+  // Published only where the kernel will walk this thread's robust list when it dies (glibc
+  // registers one per thread; a kernel or sandbox that refused it leaves the head null), else
+  // a dead trainer would look alive to tasks that trust the word.
   const bool alive_held = alive_init_ && pthread_mutex_lock(alive_mutex(hub_)) == 0;
-  if (alive_held && kAliveWordOffset != shm::kNoAliveWord)
+  void* robust_head = nullptr;
+  size_t robust_len = 0;
+  const bool robust = syscall(SYS_get_robust_list, 0, &robust_head, &robust_len) == 0 &&
+                      robust_head != nullptr;
+  if (alive_held && robust && kAliveWordOffset != shm::kNoAliveWord)
     hub_.stats()->alive_word.store(kAliveWordOffset, std::memory_order_release);
   std::vector<pollfd> pfds;
   // What each pollfd is: -1 wake fd, -2 listen fd, >= 0 conn index, -10 - i slot i's pidfd,
@@ -725,7 +740,13 @@ void Trainer::serve() {
       timeout_ms = timeout_ms < 0 ? until : std::min(timeout_ms, until);
     }
     const int rc = poll(pfds.data(), pfds.size(), timeout_ms);
-    if (rc < 0 && errno != EINTR) break;
+    if (rc < 0 && errno != EINTR) {
+      // Out of kernel memory, or more descriptors than RLIMIT_NOFILE: nothing here can fix
+      // it, but leaving would unlock the liveness mutex and tell every task its trainer died
+      // while the bubble thread goes on. Try again shortly.
+      usleep(10'000);
+      continue;
+    }
     if (pfds[0].revents & POLLIN) {
       uint64_t v;
       (void)!read(wake_fd_.get(), &v, sizeof v);

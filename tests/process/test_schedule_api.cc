@@ -15,15 +15,17 @@
 
 namespace {
 
-// Declares 1F1B, 4 stages, 8 micro-batches, stage 1, forward 1 ms, backward 2 ms on the hub,
-// and returns the bubbles the schedule model gives that stage.
-std::vector<bb::core::ScheduledBubble> declare_1f1b_stage1(bb_trainer_h t) {
+// Declares 1F1B, 4 stages, 8 micro-batches, forward 1 ms, backward 2 ms on the hub for
+// `stage`, and returns the bubbles the schedule model gives that stage (and, in *gaps, the time
+// before each since the previous one ended).
+std::vector<bb::core::ScheduledBubble> declare_1f1b(bb_trainer_h t, uint32_t stage,
+                                                    std::vector<uint64_t>* gaps = nullptr) {
   bb_schedule_t sc;
   bb_schedule_init(&sc);
   sc.kind = BB_SCHEDULE_1F1B;
   sc.stages = 4;
   sc.microbatches = 8;
-  sc.stage = 1;
+  sc.stage = stage;
   sc.fwd_ns = 1'000'000;
   sc.bwd_ns = 2'000'000;
   REQUIRE(bb_trainer_set_schedule(t, &sc) == BB_OK);
@@ -36,7 +38,8 @@ std::vector<bb::core::ScheduledBubble> declare_1f1b_stage1(bb_trainer_h t) {
   bb::core::Schedule model;
   std::string err;
   REQUIRE(bb::core::simulate_schedule(p, &model, &err) == BB_OK);
-  return model.stages[1].bubbles;
+  if (gaps) *gaps = bb::core::gaps_before(model.stages[stage].bubbles, model.iteration_ns);
+  return model.stages[stage].bubbles;
 }
 
 }  // namespace
@@ -45,8 +48,13 @@ TEST_CASE("declared_schedule_predicts_bubbles_from_the_first_iteration") {
   bbtest::RuntimeDir dir;
   bb_trainer_h t = nullptr;
   REQUIRE(bb_trainer_open("sched", 1, nullptr, &t) == BB_OK);
-  const auto bubbles = declare_1f1b_stage1(t);
+  std::vector<uint64_t> gaps;
+  // Stage 0: its iteration ends with compute (the last backward), so the gap before its first
+  // bubble is not zero.
+  const auto bubbles = declare_1f1b(t, 0, &gaps);
   REQUIRE(bubbles.size() >= 2);
+  REQUIRE(gaps.size() == bubbles.size());
+  REQUIRE(gaps[0] > 0);
   std::string err;
 
   std::unique_ptr<bb::core::HubObserver> obs;
@@ -59,6 +67,11 @@ TEST_CASE("declared_schedule_predicts_bubbles_from_the_first_iteration") {
     CHECK(snap.bubble_deadline_ns - snap.bubble_begin_ns == bubbles[i].duration_ns);
     REQUIRE(bb_bubble_end(t) == BB_OK);
   }
+  // Marking the next iteration tells waiting tasks when its first bubble comes: after the
+  // declared gap before an iteration's first bubble, not the gap that follows a last position.
+  REQUIRE(bb_trainer_iteration(t) == BB_OK);
+  const auto after = obs->snapshot();
+  CHECK(after.next_begin_ns - after.bubble_end_ns == gaps[0]);
   obs.reset();
 
   // What the schedule model rejects comes back as a clear error.
@@ -166,7 +179,9 @@ TEST_CASE("an_iteration_marked_while_a_bubble_is_open_starts_when_that_bubble_en
   bbtest::RuntimeDir dir;
   bb_trainer_h t = nullptr;
   REQUIRE(bb_trainer_open("sched-open", 1, nullptr, &t) == BB_OK);
-  const auto bubbles = declare_1f1b_stage1(t);
+  std::vector<uint64_t> gaps;
+  const auto bubbles = declare_1f1b(t, 0, &gaps);
+  REQUIRE(gaps[0] > 0);
   std::string err;
   REQUIRE(bubbles.size() >= 2);
   REQUIRE(bubbles[0].duration_ns != bubbles[1].duration_ns);  // a shift would show
@@ -174,10 +189,14 @@ TEST_CASE("an_iteration_marked_while_a_bubble_is_open_starts_when_that_bubble_en
   std::unique_ptr<bb::core::HubObserver> obs;
   REQUIRE(bb::core::HubObserver::open("", "sched-open", 1, &obs, &err) == BB_OK);
   // A bubble of the warm-up before training (no iteration marked yet) is still open when the
-  // first iteration is marked, and the next begin closes it: it belongs before the iteration,
-  // so every bubble of the iteration gets its own position's declared length.
+  // first iteration is marked: it belongs before the iteration, so its end already publishes
+  // the gap before the iteration's first bubble for waiting tasks, and every bubble of the
+  // iteration gets its own position's declared length.
   REQUIRE(bb_bubble_begin(t, 0, BB_MEM_UNKNOWN, BB_BUBBLE_OTHER) == BB_OK);
   REQUIRE(bb_trainer_iteration(t) == BB_OK);
+  REQUIRE(bb_bubble_end(t) == BB_OK);
+  const auto ended = obs->snapshot();
+  CHECK(ended.next_begin_ns - ended.bubble_end_ns == gaps[0]);
   for (size_t i = 0; i < bubbles.size(); ++i) {
     CAPTURE(i);
     REQUIRE(bb_bubble_begin(t, 0, BB_MEM_UNKNOWN, bubbles[i].kind) == BB_OK);
@@ -185,9 +204,9 @@ TEST_CASE("an_iteration_marked_while_a_bubble_is_open_starts_when_that_bubble_en
     CHECK(snap.bubble_deadline_ns - snap.bubble_begin_ns == bubbles[i].duration_ns);
     if (i + 1 < bubbles.size()) REQUIRE(bb_bubble_end(t) == BB_OK);
   }
-  // The iteration's last bubble is open too when the next iteration is marked: the next
-  // iteration's first bubble is still predicted at position 0 (the lower of its declared
-  // length and the one observation there), not from position 1.
+  // The iteration's last bubble is open too when the next iteration is marked, and the next
+  // begin closes it: the next iteration's first bubble is predicted at position 0, bounded by
+  // its declared length (the lower of that and the one observation there).
   REQUIRE(bb_trainer_iteration(t) == BB_OK);
   REQUIRE(bb_bubble_begin(t, 0, BB_MEM_UNKNOWN, bubbles[0].kind) == BB_OK);
   const auto snap = obs->snapshot();

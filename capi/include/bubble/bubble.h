@@ -154,8 +154,9 @@ BB_API bb_status bb_bubble_begin(bb_trainer_h trainer, uint64_t expected_ns, uin
 /* The bubble ends now: every started task is told to pause. A no-op if no bubble is open. */
 BB_API bb_status bb_bubble_end(bb_trainer_h trainer);
 /* Marks the start of a training iteration: the predictor numbers bubbles from here, so the
- * n-th bubble of each iteration is predicted from the n-th bubbles of earlier ones. Optional.
- * From the thread that calls bb_bubble_begin/end. */
+ * n-th bubble of each iteration is predicted from the n-th bubbles of earlier ones. A bubble
+ * open at the mark belongs to the iteration it began in (the new one starts when it ends).
+ * Optional. From the thread that calls bb_bubble_begin/end. */
 BB_API bb_status bb_trainer_iteration(bb_trainer_h trainer);
 
 /* A declared pipeline schedule, so the predictor knows each bubble's length from the first
@@ -361,10 +362,11 @@ typedef struct bb_start_info_t {
 BB_API bb_status bb_task_wait_start(bb_task_h task, int64_t timeout_ns, bb_start_info_t *out);
 /* Imperative: 1 when the task must pause (the bubble ended, it was told to stop, its memory
  * grant is being revoked, or the trainer died or closed its hub), else 0. Two loads from shared
- * memory (three while the task holds a grant), no system call: a loop that only polls this
- * still learns at once that its trainer was killed mid-bubble (with glibc; elsewhere within
- * 100 ms of a bb_task_report_step or bb_task_time_left call). Returns an int, not a bb_status,
- * and never fails. */
+ * memory (three while the task holds a grant): a loop that only polls this learns at once that
+ * its trainer was killed mid-bubble (the kernel marks a word the trainer's glibc registered).
+ * Every 64th call also reads the clock and, at most every 100 ms, looks at the connection (one
+ * poll), so a trainer whose death was not marked is noticed too. Returns an int, not a
+ * bb_status, and never fails. */
 BB_API int bb_task_should_pause(bb_task_h task);
 /* Imperative: the task has stopped running device work for this bubble. */
 BB_API bb_status bb_task_ack_pause(bb_task_h task);
