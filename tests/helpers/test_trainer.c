@@ -20,12 +20,20 @@
  * Every bb_bubble_begin / bb_bubble_end that does not return BB_OK is counted, never retried.
  * --uid N (started as root): runs as uid and gid N from before it opens the hub, so it cannot
  * signal tasks that run as root.
+ * --no-robust-list: threads started from then on cannot register a robust futex list
+ * (set_robust_list fails, as in a sandbox that denies it), so the kernel will not mark the
+ * hub's liveness word when this process dies; tasks must notice its death another way.
  */
 #define _GNU_SOURCE
 #include <bubble/bubble.h>
 
 #include <errno.h>
 #include <grp.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
+#include <stddef.h>
+#include <sys/prctl.h>
+#include <sys/syscall.h>
 #include <poll.h>
 #include <signal.h>
 #include <stdio.h>
@@ -52,6 +60,19 @@ static struct timespec span(uint64_t us) {
 static void sleep_us(uint64_t us) {
   const struct timespec ts = span(us);
   nanosleep(&ts, NULL);
+}
+
+/* A seccomp filter that fails set_robust_list with EPERM and allows everything else. */
+static int deny_robust_lists(void) {
+  struct sock_filter f[] = {
+      BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+      BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_set_robust_list, 0, 1),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | EPERM),
+      BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+  };
+  struct sock_fprog prog = {(unsigned short)(sizeof f / sizeof f[0]), f};
+  if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return -1;
+  return prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog);
 }
 
 static void print_stats(void) {
@@ -124,7 +145,7 @@ int main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: %s JOB RANK [--bubble-us N] [--gap-us N] [--max-slots N] "
                     "[--free-mem N] [--lend BACKEND[:BYTES]] [--await-tasks N] [--commands] "
-                    "[--uid N]\n",
+                    "[--uid N] [--no-robust-list]\n",
             argv[0]);
     return 64;
   }
@@ -144,7 +165,12 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--lend")) lend = v, ++i;
     else if (!strcmp(a, "--await-tasks")) await_tasks = (uint32_t)atoi(v), ++i;
     else if (!strcmp(a, "--uid")) uid = atol(v), ++i;
-    else {
+    else if (!strcmp(a, "--no-robust-list")) {
+      if (deny_robust_lists() != 0) {
+        perror("--no-robust-list: seccomp");
+        return 64;
+      }
+    } else {
       fprintf(stderr, "unknown option %s\n", a);
       return 64;
     }

@@ -587,10 +587,13 @@ namespace {
 
 // One long bubble: a task of `task_opts` is running inside it when the trainer is killed. The
 // task must end the bubble, see BB_E_TRAINER_GONE at its next wait, and exit 0.
-void kill_trainer_mid_bubble(const char* job, std::vector<std::string> task_opts) {
+void kill_trainer_mid_bubble(const char* job, std::vector<std::string> task_opts,
+                             std::vector<std::string> trainer_opts = {}) {
   RuntimeDir dir;
-  Child trainer({trainer_bin(), job, "0", "--bubble-us", "30000000", "--gap-us", "1000",
-                 "--await-tasks", "1"});
+  std::vector<std::string> targs{trainer_bin(), job, "0", "--bubble-us", "30000000",
+                                 "--gap-us", "1000", "--await-tasks", "1"};
+  targs.insert(targs.end(), trainer_opts.begin(), trainer_opts.end());
+  Child trainer(targs);
   REQUIRE(trainer.wait_line("OPEN") != "");
   Child task(task_args(job, "busy", "imperative", std::move(task_opts)));
   REQUIRE(task.wait_line("ATTACHED") != "");
@@ -614,6 +617,14 @@ TEST_CASE("trainer_killed_mid_bubble_a_task_that_only_polls_should_pause_is_told
   // The task calls nothing but should_pause while it runs: no report, no time_left, nothing
   // that would look at its connection. The trainer's death must still end the bubble for it.
   kill_trainer_mid_bubble("midpoll", {"--step-us", "100", "--no-reports"});
+}
+
+TEST_CASE("a_trainer_death_the_kernel_does_not_mark_still_reaches_a_task_that_only_polls") {
+  // The trainer's threads cannot register robust lists (a sandbox that denies the system
+  // call): the hub publishes no liveness word, and should_pause's own look at the connection
+  // is what ends the bubble for the task.
+  kill_trainer_mid_bubble("midnorobust", {"--step-us", "100", "--no-reports"},
+                          {"--no-robust-list"});
 }
 
 TEST_CASE("observer_merges_the_bubble_and_service_event_streams") {
