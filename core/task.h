@@ -63,9 +63,10 @@ class Task {
     const uint32_t w = __atomic_load_n(alive_word_, __ATOMIC_RELAXED);
     return w == 0 || (w & shm::kFutexOwnerDied) != 0;
   }
-  // While running: a trainer that dies mid-bubble never clears run_epoch, so the calls a running
-  // task makes anyway (report_step, time_left; every step of bb_task_run) look at the connection
-  // every 100 ms and make should_pause() true once it is gone.
+  // While running: a trainer that dies mid-bubble never clears run_epoch. Where the kernel did
+  // not mark its death (trainer_died()), the calls a running task makes anyway (report_step,
+  // time_left, every 64th should_pause; every step of bb_task_run) look at the connection every
+  // 100 ms and make should_pause() true once it is gone.
   void check_trainer_while_running() const;
   // Waits for the doorbell to move from `bell`; *seen_ns is when it saw it move, from a clock
   // read the wait made anyway (0 when it did not see it, or has no such read).

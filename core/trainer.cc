@@ -743,7 +743,10 @@ void Trainer::serve() {
     if (rc < 0 && errno != EINTR) {
       // Out of kernel memory, or more descriptors than RLIMIT_NOFILE: nothing here can fix
       // it, but leaving would unlock the liveness mutex and tell every task its trainer died
-      // while the bubble thread goes on. Try again shortly.
+      // while the bubble thread goes on. Keep answering the API's requests and its close, and
+      // try again shortly.
+      if (stopping_.load(std::memory_order_acquire)) break;
+      serve_requests();
       usleep(10'000);
       continue;
     }

@@ -20,6 +20,8 @@
  * Every bb_bubble_begin / bb_bubble_end that does not return BB_OK is counted, never retried.
  * --uid N (started as root): runs as uid and gid N from before it opens the hub, so it cannot
  * signal tasks that run as root.
+ * --nofile N: once the awaited tasks are attached, lowers RLIMIT_NOFILE to N (below the
+ * descriptors the hub service polls, so its poll fails with EINVAL) and prints "LIMITED".
  * --no-robust-list: threads started from then on cannot register a robust futex list
  * (set_robust_list fails, as in a sandbox that denies it), so the kernel will not mark the
  * hub's liveness word when this process dies; tasks must notice its death another way.
@@ -33,6 +35,7 @@
 #include <linux/seccomp.h>
 #include <stddef.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <poll.h>
 #include <signal.h>
@@ -145,14 +148,14 @@ int main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: %s JOB RANK [--bubble-us N] [--gap-us N] [--max-slots N] "
                     "[--free-mem N] [--lend BACKEND[:BYTES]] [--await-tasks N] [--commands] "
-                    "[--uid N] [--no-robust-list]\n",
+                    "[--uid N] [--nofile N] [--no-robust-list]\n",
             argv[0]);
     return 64;
   }
   uint64_t bubble_us = 2000, gap_us = 1000, free_mem = BB_MEM_UNKNOWN;
   const char *lend = NULL;
   uint32_t await_tasks = 0;
-  long uid = -1;
+  long uid = -1, nofile = -1;
   bb_trainer_options_t opts;
   bb_trainer_options_init(&opts);
   for (int i = 3; i < argc; ++i) {
@@ -165,6 +168,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--lend")) lend = v, ++i;
     else if (!strcmp(a, "--await-tasks")) await_tasks = (uint32_t)atoi(v), ++i;
     else if (!strcmp(a, "--uid")) uid = atol(v), ++i;
+    else if (!strcmp(a, "--nofile")) nofile = atol(v), ++i;
     else if (!strcmp(a, "--no-robust-list")) {
       if (deny_robust_lists() != 0) {
         perror("--no-robust-list: seccomp");
@@ -218,6 +222,17 @@ int main(int argc, char **argv) {
     bb_trainer_stats(trainer, &stats);
     if (stats.tasks_attached >= await_tasks || stop_flag) break;
     sleep_us(1000);
+  }
+  if (nofile >= 0) {
+    struct rlimit rl;
+    getrlimit(RLIMIT_NOFILE, &rl);
+    rl.rlim_cur = (rlim_t)nofile;
+    if (setrlimit(RLIMIT_NOFILE, &rl) != 0) {
+      perror("--nofile");
+      return 64;
+    }
+    printf("LIMITED\n");
+    fflush(stdout);
   }
   while (!stop_flag) {
     if (bb_bubble_begin(trainer, bubble_us * 1000, free_mem, BB_BUBBLE_STEADY) != BB_OK)

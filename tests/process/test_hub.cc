@@ -619,6 +619,29 @@ TEST_CASE("trainer_killed_mid_bubble_a_task_that_only_polls_should_pause_is_told
   kill_trainer_mid_bubble("midpoll", {"--step-us", "100", "--no-reports"});
 }
 
+TEST_CASE("a_hub_service_whose_poll_fails_keeps_the_trainer_alive_to_its_tasks_and_closes") {
+  RuntimeDir dir;
+  // Once the task is attached the trainer's descriptor limit drops below what its hub service
+  // polls: every poll fails (EINVAL). Its tasks must not take it for dead, and its close must
+  // still return.
+  Child trainer({trainer_bin(), "pollfail", "0", "--bubble-us", "2000", "--gap-us", "1000",
+                 "--await-tasks", "1", "--nofile", "3"});
+  REQUIRE(trainer.wait_line("OPEN") != "");
+  Child task(task_args("pollfail", "busy", "imperative", {"--step-us", "100", "--no-reports"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  REQUIRE(trainer.wait_line("LIMITED") != "");
+  for (int i = 0; i < 20; ++i) {  // it goes on being started, and never hears "gone"
+    const std::string line = task.wait_line("", 5000);
+    CAPTURE(line);
+    REQUIRE(line.rfind("STARTED", 0) == 0);
+  }
+  trainer.signal(SIGTERM);
+  CHECK(trainer.wait_line("CLOSED", 10000).find("CLOSED BB_OK") == 0);
+  CHECK(trainer.wait_exit(5000) == 0);
+  CHECK(task.wait_line("RESULT", 5000).find("BB_E_TRAINER_GONE") != std::string::npos);
+  CHECK(task.wait_exit(5000) == 0);
+}
+
 TEST_CASE("a_trainer_death_the_kernel_does_not_mark_still_reaches_a_task_that_only_polls") {
   // The trainer's threads cannot register robust lists (a sandbox that denies the system
   // call): the hub publishes no liveness word, and should_pause's own look at the connection
