@@ -498,3 +498,22 @@ TEST_CASE("schedule_unit_times_scale_to_any_proportional_times") {
     }
   }
 }
+
+TEST_CASE("schedule_interleaved_holds_megatrons_warmup_plus_one_chunk_per_stage") {
+  // Megatron's interleaved 1F1B runs (p - s - 1) * 2 + (v - 1) * p forward chunks before its
+  // first backward on stage s (at most m * v; all of them when m == p), then one more forward:
+  // that many chunks of activations are in flight at the peak, each a v-th of a micro-batch's.
+  for (const auto& [p, m, v] : {std::tuple<uint32_t, uint32_t, uint32_t>{4, 8, 2}, {4, 4, 3},
+                                {2, 8, 4}, {8, 16, 2}}) {
+    CAPTURE(p);
+    CAPTURE(m);
+    CAPTURE(v);
+    const Schedule s = run(make(ScheduleKind::kInterleaved, p, m, 1000 * v, 2000 * v, v));
+    for (uint32_t st = 0; st < p; ++st) {
+      CAPTURE(st);
+      const uint32_t warmup = m == p ? m * v : std::min((p - st - 1) * 2 + (v - 1) * p, m * v);
+      const uint32_t peak = std::min(warmup + 1, m * v);
+      CHECK(s.stages[st].peak_held == doctest::Approx(double(peak) / v));
+    }
+  }
+}
