@@ -13,7 +13,8 @@ inline uint32_t kind_index(bb_bubble_kind kind) noexcept {
 }  // namespace
 
 void BubblePredictor::push(History* h, uint64_t duration_ns) noexcept {
-  // Done here so predict() is a single load. A full window (the steady state) goes through a
+  // Done here so predict() is a single load (from a position's second observation on; with one,
+  // it also compares it with the position's seed). A full window (the steady state) goes through a
   // 9-comparator sorting network of min/max, which compiles to conditional moves: no branch to
   // mispredict on the bubble path. The first few observations use a plain insertion sort.
   // The window is read before the new value is stored: reading it back right after a narrower
