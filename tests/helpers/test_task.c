@@ -9,8 +9,8 @@
  *                     sleeps rather than spins: what the trainer sees is the same, and a
  *                     spinning one took a core from the tasks beside it on a 2-core machine
  *         attach-only attaches, prints ATTACHED, sleeps until killed
- *         grant-hang  waits for a start with a grant, writes it, then never calls libbubble
- *                     again (a task that ignores a revoke)
+ *         grant-hang  waits for a start with a grant, writes it, acks the pause, prints
+ *                     GRANT, then never calls libbubble again (a task that ignores a revoke)
  *         grant-leave waits for a start with a grant, writes it, then closes its sockets and
  *                     sleeps (a task that leaves its slot still mapping the grant)
  *   --step-us N, --prio N, --mem N, --min-step-us N, --max-steps N (then BB_STEP_DONE),
@@ -81,13 +81,22 @@ static void say_waiting(void) {
 
 /* Fills a grant the first time it is seen. With the fake CUDA driver of the tests, "device"
  * pointers are host memory, so the same loop serves every backend. */
-static void use_grant(uint64_t id, void *ptr, uint64_t bytes) {
-  if (!grant_seed_set || id == 0 || !ptr || id == grant_written) return;
+static void announce_grant(uint64_t id, uint64_t bytes) {
+  printf("GRANT %llu %llu\n", (unsigned long long)id, (unsigned long long)bytes);
+  fflush(stdout);
+}
+
+/* Writes the pattern into a grant not written yet; returns whether it did. */
+static int fill_grant(uint64_t id, void *ptr, uint64_t bytes) {
+  if (!grant_seed_set || id == 0 || !ptr || id == grant_written) return 0;
   uint32_t *w = (uint32_t *)ptr;
   for (uint64_t i = 0; i < bytes / 4; ++i) w[i] = grant_seed ^ (uint32_t)(i * 2654435761u);
   grant_written = id;
-  printf("GRANT %llu %llu\n", (unsigned long long)id, (unsigned long long)bytes);
-  fflush(stdout);
+  return 1;
+}
+
+static void use_grant(uint64_t id, void *ptr, uint64_t bytes) {
+  if (fill_grant(id, ptr, bytes)) announce_grant(id, bytes);
 }
 
 /* Closes every socket of the process: the hub connection goes away without a word. */
@@ -287,8 +296,11 @@ int main(int argc, char **argv) {
       if (st != BB_OK) break;
       ++starts;
       if (!info.grant_ptr) continue;
-      use_grant(info.grant_id, info.grant_ptr, info.grant_bytes);
+      const int filled = fill_grant(info.grant_id, info.grant_ptr, info.grant_bytes);
+      /* Said only after the ack: an ack gives back a grant revoked by then, so a test that
+       * revokes on "GRANT" must find this task past its last libbubble call. */
       bb_task_ack_pause(task);
+      if (filled) announce_grant(info.grant_id, info.grant_bytes);
       if (!strcmp(mode, "grant-leave")) {
         printf("LEAVING\n"); /* first: the trainer may kill us as soon as the socket closes */
         fflush(stdout);
