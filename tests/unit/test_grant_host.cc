@@ -4,7 +4,9 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "core/grant_lender.h"
 #include "test_grant_support.h"
@@ -234,4 +236,34 @@ TEST_CASE("revocation: a holder that ignores REVOKE is overdue, killed, then rel
   CHECK(l->overdue(deadline, ids, 2) == 0);
   CHECK(l->stats().granted_bytes == 0);
   REQUIRE(l->grant(kPage, 1, &none, &err) == BB_OK);
+}
+
+// The trainer asks with room for 64 ids and asks again when told there are more: overdue()
+// counts every overdue grant even when only `cap` fit, and leaves out none that fit.
+TEST_CASE("revocation: overdue counts past what fits, and a second ask gets them all") {
+  auto l = host_lender(8 * kPage);
+  std::string err;
+  const uint64_t now = bb::test::now_ns();
+  std::vector<uint64_t> made;
+  for (uint64_t owner = 1; owner <= 5; ++owner) {
+    Grant g;
+    REQUIRE(l->grant(kPage, owner, &g, &err) == BB_OK);
+    made.push_back(g.id);
+  }
+  // Three overdue, one revoking with a later deadline, one held: only the three count.
+  for (size_t k = 0; k < 3; ++k) REQUIRE(l->revoke(made[k], now - 1000 + k, &err) == BB_OK);
+  REQUIRE(l->revoke(made[3], now + 60'000'000'000ull, &err) == BB_OK);
+  uint64_t few[2] = {0, 0};
+  CHECK(l->overdue(now, few, 2) == 3);
+  for (uint64_t id : few) CHECK(std::find(made.begin(), made.begin() + 3, id) != made.begin() + 3);
+  CHECK(few[0] != few[1]);
+  std::vector<uint64_t> all(3);
+  REQUIRE(l->overdue(now, all.data(), all.size()) == 3);
+  std::sort(all.begin(), all.end());
+  std::vector<uint64_t> want(made.begin(), made.begin() + 3);
+  std::sort(want.begin(), want.end());
+  CHECK(all == want);
+  CHECK(l->overdue(now, nullptr, 0) == 3);  // a count alone writes nothing
+  REQUIRE(l->release(made[1], &err) == BB_OK);
+  CHECK(l->overdue(now, all.data(), all.size()) == 2);
 }
