@@ -161,6 +161,8 @@ TEST_CASE("stream_bubble_starts_the_task_when_the_gpu_reaches_it_not_when_the_ho
       auto t = hub.obs->snapshot().tasks;
       return t.size() == 1 && !t[0].started;
     }));
+    // The watcher counts an end just after applying it.
+    CHECK(eventually([&] { return timing.stats().ends == 1; }));
     const auto s = timing.stats();
     CHECK(s.marks == 2);
     CHECK(s.begins == 1);

@@ -167,6 +167,7 @@ class Proc:
         fcntl.fcntl(self.p.stdout, fcntl.F_SETFL, fl | os.O_NONBLOCK)
         self.buf = b""
         self.lines = []  # the recent ones
+        self.dropped = 0  # how many older ones were let go: line k of the output is lines[k - dropped]
         self.seen = set()  # the first word of every line so far
         self.last = ""
 
@@ -191,17 +192,25 @@ class Proc:
                 self.last = s
                 if len(self.lines) > 200:
                     del self.lines[:100]
+                    self.dropped += 100
+
+    @property
+    def count(self):
+        """How many lines the process printed so far: a `start` for wait_line that survives the
+        trimming of old lines."""
+        return self.dropped + len(self.lines)
 
     def wait_line(self, prefix, timeout=DEADLINE_S, start=0):
-        """The first line starting with prefix, seen from index `start` of self.lines."""
+        """The first line starting with prefix, from line `start` of the output on (counted as
+        `count` counts; the older lines it has let go of are not searched)."""
         end = time.monotonic() + timeout
         idx = start
         while True:
             open_ = self.pump()
-            for i in range(idx, len(self.lines)):
+            for i in range(max(idx - self.dropped, 0), len(self.lines)):
                 if self.lines[i].startswith(prefix):
                     return self.lines[i]
-            idx = len(self.lines)
+            idx = self.count
             left = end - time.monotonic()
             if left <= 0 or not open_:
                 return ""
@@ -265,7 +274,7 @@ class Trainer:
         return self.proc.pid
 
     def stats(self):
-        n = len(self.proc.lines)
+        n = self.proc.count
         self.proc.send("S\n")
         return parse_stats(self.proc.wait_line("STATS", start=n))
 
@@ -276,7 +285,7 @@ class Trainer:
         self.world.procs.remove(self.proc)
 
     def close_cleanly(self):
-        n = len(self.proc.lines)
+        n = self.proc.count
         self.proc.send("Q\n")
         line = self.proc.wait_line("CLOSED", start=n)
         check(line == "CLOSED BB_OK", f"clean close of the trainer said {line!r}")

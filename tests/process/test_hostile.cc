@@ -229,6 +229,10 @@ TEST_CASE("a_step_report_that_began_before_time_began_is_dropped") {
               bb::shm::RingStatus::kOk);
       const uint64_t tail = p->reports.tail.load();
       REQUIRE(bbtest::eventually([&] { return ctl->report_head.load() == tail; }));  // drained
+      // The head moves before the report is weighed: a request through the service thread
+      // returns only after the drain that popped it is done (no task 0: BB_E_NOT_FOUND).
+      bb_grant_info_t barrier{sizeof barrier};
+      CHECK(bb_trainer_task_grant(t, 0, &barrier) == BB_E_NOT_FOUND);
     };
     push_step(1000, 5000);  // "ended 1 us after the clock's zero, after a 5 us step"
     CHECK(ctl->steps.load() == 0);

@@ -658,7 +658,9 @@ TEST_CASE("observer_merges_the_bubble_and_service_event_streams") {
   REQUIRE(bb::core::HubObserver::open("", "events", 0, &obs, &err) == BB_OK);
   Child task(task_args("events", "logged", "iterative", {"--step-us", "200"}));
   REQUIRE(task.wait_line("ATTACHED") != "");
-  REQUIRE(t.bubbles_until([&] { return t.stats().steps >= 5; }));
+  // Six counted: the service thread logs a step just after counting it, so the fifth step's
+  // event is in the log once the sixth is counted.
+  REQUIRE(t.bubbles_until([&] { return t.stats().steps >= 6; }));
   const uint64_t bubbles = t.stats().bubbles;
 
   // Read in small batches, as the agent does: the cursor carries on across calls.
