@@ -1507,7 +1507,12 @@ bb_status Trainer::offer_grant(uint32_t i, uint64_t bytes, uint64_t* id, std::st
       std::string ignored;
       l->release(g.id, &ignored);
       *error = std::string("cannot send the grant's descriptor to the task: ") + std::strerror(e);
-      return e == EAGAIN ? BB_E_BUSY : BB_E_SYSTEM;
+      // Passing: the task's socket is full (it has not read it yet), or this user has too many
+      // descriptors in flight on sockets nobody has read yet (ETOOMANYREFS, counted against
+      // RLIMIT_NOFILE without CAP_SYS_RESOURCE). An automatic grant is tried again for both.
+      const bool passing = e == EAGAIN || e == ETOOMANYREFS || e == ENOBUFS;
+      if (passing) *error += " (descriptors wait unread on its connection: try again shortly)";
+      return passing ? BB_E_BUSY : BB_E_SYSTEM;
     }
   }
   write_grant(slot_ctl(i), &g);

@@ -46,12 +46,15 @@ struct RawAttach {
   }
 };
 
-// Sends an attach request as a task named `name`; true when the trainer granted a slot.
-inline bool raw_attach(const std::string& socket_path, const char* name, RawAttach* out) {
+// Sends an attach request as a task named `name` (asking for mem_need bytes of lent memory);
+// true when the trainer granted a slot.
+inline bool raw_attach(const std::string& socket_path, const char* name, RawAttach* out,
+                       uint64_t mem_need = 0) {
   out->sock = connect_hub(socket_path);
   if (out->sock < 0) return false;
   auto m = bb::shm::make_msg<bb::shm::AttachTaskMsg>(bb::shm::MsgType::kAttachTask);
   std::snprintf(m.name, sizeof m.name, "%s", name);
+  m.mem_need = mem_need;
   if (bb::shm::send_msg(out->sock, &m, sizeof m, nullptr, 0) != 0) return false;
   char buf[bb::shm::kWireMaxMessage];
   int fds[2], nfds;

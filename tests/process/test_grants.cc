@@ -993,3 +993,81 @@ TEST_CASE("grant_words_from_a_task_are_believed_only_when_exact") {
   check_lender_empty(t.grants());
   CHECK(t.grants().tasks_killed == 0);
 }
+
+// A grant's descriptor goes over the task's socket. A task that has not read its socket for a
+// while (its queue full) is not written off: the automatic grant is tried again until the
+// descriptor fits, and then made. A manual grant says why it could not be sent.
+TEST_CASE("an_automatic_grant_a_full_socket_refused_is_made_once_the_task_reads") {
+  RuntimeDir dir;
+  Trainer t("gf");
+  std::string sock;
+  REQUIRE(bb::core::hub_paths(dir.path(), "gf", 0, &sock, nullptr) == BB_OK);
+  bb_lend_options_t lo;
+  bb_lend_options_init(&lo);
+  lo.backend = BB_GRANT_HOST;
+  lo.bytes = 1 * kMiB;
+  lo.auto_grant = 0;
+  REQUIRE(bb_trainer_lend(t.h, &lo) == BB_OK);
+  // This process plays a task that never reads its socket (and gives back every grant through
+  // its page, so it is never killed for one).
+  bbtest::RawAttach raw;
+  REQUIRE(bbtest::raw_attach(sock, "deafear", &raw, 4096));
+  const uint64_t id = t.task_id("deafear");
+  std::string err;
+  bb::shm::Mapping hub = bb::shm::map_segment(
+      raw.hub_fd, size_t(bb::shm::segment_size(raw.hub_fd)), false, &err);
+  REQUIRE(hub);
+  const bb::shm::SlotCtl* ctl = bb::shm::HubView{hub.data()}.slot(raw.reply.slot);
+  bb::shm::Mapping page = bb::shm::map_segment(raw.page_fd, bb::shm::kTaskPageSize, true, &err);
+  REQUIRE(page);
+  auto* p = reinterpret_cast<bb::shm::TaskPage*>(page.data());
+
+  // Fill its socket with grants' descriptors, one grant at a time.
+  bb_status st = BB_OK;
+  int sent = 0;
+  for (; sent < 4096; ++sent) {
+    uint64_t gid = 0;
+    st = bb_trainer_grant(t.h, id, 4096, &gid);
+    if (st != BB_OK) break;
+    p->grant_released.store(gid);
+    REQUIRE(eventually([&] { return t.grants().active == 0; }));
+  }
+  const std::string why = bb_last_error();
+  INFO("after " << sent << " grants: " << why);
+  REQUIRE(st == BB_E_BUSY);
+  CHECK(why.find("cannot send the grant's descriptor") != std::string::npos);
+  CHECK(ctl->grant_id.load() == 0);
+  check_lender_empty(t.grants());
+
+  // Lent afresh with automatic grants: the attempt finds the socket full and is tried again.
+  REQUIRE(bb_trainer_unlend(t.h, 0) == BB_OK);
+  lo.auto_grant = 1;
+  REQUIRE(bb_trainer_lend(t.h, &lo) == BB_OK);
+  REQUIRE(eventually([&] { return t.grants().grants_made >= 2; }));  // made, unsent, undone
+  CHECK(ctl->grant_id.load() == 0);
+  CHECK(t.grants().active == 0);
+
+  // The task reads its socket: the next attempt sends the descriptor and the grant is made.
+  char buf[bb::shm::kWireMaxMessage];
+  int fds[2], nfds;
+  int queued = 0;
+  while (bb::shm::recv_msg(raw.sock, buf, fds, &nfds, MSG_DONTWAIT) > 0) {
+    for (int f = 0; f < nfds; ++f) close(fds[f]);
+    ++queued;
+  }
+  CHECK(queued == sent);
+  REQUIRE(eventually([&] { return ctl->grant_id.load() != 0; }));
+  const uint64_t gid = ctl->grant_id.load();
+  CHECK(t.grant_of(id).state == BB_GRANT_STATE_ACTIVE);
+  CHECK(t.grant_of(id).bytes == 4096);
+  const long n = bb::shm::recv_msg(raw.sock, buf, fds, &nfds);
+  REQUIRE(bb::shm::check_msg(buf, n, bb::shm::MsgType::kGrantFd, sizeof(bb::shm::GrantFdMsg)));
+  for (int f = 0; f < nfds; ++f) close(fds[f]);
+  CHECK(nfds == 1);
+  bb::shm::GrantFdMsg m;
+  std::memcpy(&m, buf, sizeof m);
+  CHECK(m.grant_id == gid);
+  p->grant_released.store(gid);
+  REQUIRE(eventually([&] { return t.grants().active == 0; }));
+  CHECK(t.grants().tasks_killed == 0);
+}
