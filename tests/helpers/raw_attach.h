@@ -11,6 +11,7 @@
 #include <string>
 
 #include "shm/layout.h"
+#include "shm/segment.h"
 #include "shm/wire.h"
 
 namespace bbtest {
@@ -64,6 +65,23 @@ inline bool raw_attach(const std::string& socket_path, const char* name, RawAtta
   if (!bb::shm::check_msg(buf, n, bb::shm::MsgType::kAttachReply, sizeof out->reply)) return false;
   std::memcpy(&out->reply, buf, sizeof out->reply);
   return out->reply.status == 0 && nfds == 2;
+}
+
+// The hub and the task page of a raw attach, mapped as its task maps them (the page writable).
+struct RawViews {
+  bb::shm::Mapping hub, page;
+  const bb::shm::SlotCtl* ctl = nullptr;
+  bb::shm::TaskPage* task = nullptr;
+};
+
+inline bool map_raw(const RawAttach& raw, RawViews* out, std::string* error) {
+  out->hub = bb::shm::map_segment(raw.hub_fd, size_t(bb::shm::segment_size(raw.hub_fd)), false,
+                                  error);
+  out->page = bb::shm::map_segment(raw.page_fd, bb::shm::kTaskPageSize, true, error);
+  if (!out->hub || !out->page) return false;
+  out->ctl = bb::shm::HubView{out->hub.data()}.slot(raw.reply.slot);
+  out->task = reinterpret_cast<bb::shm::TaskPage*>(out->page.data());
+  return true;
 }
 
 }  // namespace bbtest

@@ -929,17 +929,14 @@ TEST_CASE("grant_words_from_a_task_are_believed_only_when_exact") {
   std::memcpy(&m, buf, sizeof m);
   CHECK(m.grant_id == gid);
   close(fds[0]);
-  const int64_t hub_size = bb::shm::segment_size(raw.hub_fd);
   std::string err;
-  bb::shm::Mapping hub = bb::shm::map_segment(raw.hub_fd, size_t(hub_size), false, &err);
-  REQUIRE(hub);
-  const bb::shm::SlotCtl* ctl = bb::shm::HubView{hub.data()}.slot(raw.reply.slot);
+  bbtest::RawViews v;
+  REQUIRE_MESSAGE(bbtest::map_raw(raw, &v, &err), err);
+  const bb::shm::SlotCtl* ctl = v.ctl;
+  bb::shm::TaskPage* p = v.task;
   CHECK(ctl->grant_id.load() == gid);
   CHECK(ctl->grant.id == gid);
   CHECK(ctl->grant.size == 4096);
-  bb::shm::Mapping page = bb::shm::map_segment(raw.page_fd, bb::shm::kTaskPageSize, true, &err);
-  REQUIRE(page);
-  auto* p = reinterpret_cast<bb::shm::TaskPage*>(page.data());
 
   auto nudge = [&](uint64_t claimed) {
     auto a = bb::shm::make_msg<bb::shm::GrantAckMsg>(bb::shm::MsgType::kGrantAck);
@@ -1014,13 +1011,10 @@ TEST_CASE("an_automatic_grant_a_full_socket_refused_is_made_once_the_task_reads"
   REQUIRE(bbtest::raw_attach(sock, "deafear", &raw, 4096));
   const uint64_t id = t.task_id("deafear");
   std::string err;
-  bb::shm::Mapping hub = bb::shm::map_segment(
-      raw.hub_fd, size_t(bb::shm::segment_size(raw.hub_fd)), false, &err);
-  REQUIRE(hub);
-  const bb::shm::SlotCtl* ctl = bb::shm::HubView{hub.data()}.slot(raw.reply.slot);
-  bb::shm::Mapping page = bb::shm::map_segment(raw.page_fd, bb::shm::kTaskPageSize, true, &err);
-  REQUIRE(page);
-  auto* p = reinterpret_cast<bb::shm::TaskPage*>(page.data());
+  bbtest::RawViews v;
+  REQUIRE_MESSAGE(bbtest::map_raw(raw, &v, &err), err);
+  const bb::shm::SlotCtl* ctl = v.ctl;
+  bb::shm::TaskPage* p = v.task;
 
   // Fill its socket with grants' descriptors, one grant at a time.
   bb_status st = BB_OK;

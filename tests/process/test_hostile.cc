@@ -215,13 +215,10 @@ TEST_CASE("a_step_report_that_began_before_time_began_is_dropped") {
     bbtest::RawAttach raw;
     REQUIRE(bbtest::raw_attach(sock, "liar", &raw));
     std::string err;
-    bb::shm::Mapping hub = bb::shm::map_segment(
-        raw.hub_fd, size_t(bb::shm::segment_size(raw.hub_fd)), false, &err);
-    REQUIRE(hub);
-    const bb::shm::SlotCtl* ctl = bb::shm::HubView{hub.data()}.slot(raw.reply.slot);
-    bb::shm::Mapping page = bb::shm::map_segment(raw.page_fd, bb::shm::kTaskPageSize, true, &err);
-    REQUIRE(page);
-    auto* p = reinterpret_cast<bb::shm::TaskPage*>(page.data());
+    bbtest::RawViews v;
+    REQUIRE_MESSAGE(bbtest::map_raw(raw, &v, &err), err);
+    const bb::shm::SlotCtl* ctl = v.ctl;
+    bb::shm::TaskPage* p = v.task;
     uint64_t cached_head = 0;
     auto push_step = [&](uint64_t ts_ns, uint64_t ns) {
       const bb::shm::Report r{uint16_t(bb::shm::ReportType::kStep), 1, 0, ts_ns, ns, 0};
