@@ -2,6 +2,7 @@
 // Nothing here decides policy.
 #include <bubble/bubble.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstring>
 #include <vector>
@@ -22,6 +23,19 @@ namespace {
 // less on a bubble begin that comes with cold caches.
 bb::core::Trainer* impl(bb_trainer_h h) { return reinterpret_cast<bb::core::Trainer*>(h); }
 bb::core::Task* impl(bb_task_h h) { return reinterpret_cast<bb::core::Task*>(h); }
+
+// The *_init_sized functions: exactly `size` bytes of the caller's struct are written, our
+// defaults as far as they go and zeros past them (a newer header's fields, which we ignore),
+// and size says how big the caller's struct is. Nothing below 8 bytes (no room for the size a
+// call then checks) or above 64 KiB (not a size of any version of any of these structs).
+template <typename T>
+void init_sized(T* out, size_t size, const T& defaults) {
+  if (!out || size < 8 || size > 65536) return;
+  const size_t known = std::min(size, sizeof(T));
+  std::memcpy(out, &defaults, known);
+  if (size > known) std::memset(reinterpret_cast<char*>(out) + known, 0, size - known);
+  out->size = uint32_t(size);
+}
 
 // Copies a caller's size-prefixed struct over our defaults: the smaller of the two sizes wins,
 // so an older caller gets defaults for fields it does not know and a newer caller's extra
@@ -92,8 +106,8 @@ const char* bb_version(void) { return "0.1.0"; }
 
 uint64_t bb_now_ns(void) { return bb::core::now_ns(); }
 
-void bb_trainer_options_init(bb_trainer_options_t* opts) {
-  if (opts) *opts = bb_trainer_options_t BB_TRAINER_OPTIONS_INIT;
+void bb_trainer_options_init_sized(bb_trainer_options_t* opts, size_t size) {
+  init_sized(opts, size, bb_trainer_options_t BB_TRAINER_OPTIONS_INIT);
 }
 
 bb_status bb_trainer_open(const char* job_id, uint32_t rank, const bb_trainer_options_t* opts,
@@ -135,8 +149,8 @@ bb_status bb_trainer_iteration(bb_trainer_h trainer) {
   return BB_OK;
 }
 
-void bb_schedule_init(bb_schedule_t* schedule) {
-  if (schedule) *schedule = bb_schedule_t BB_SCHEDULE_INIT;
+void bb_schedule_init_sized(bb_schedule_t* schedule, size_t size) {
+  init_sized(schedule, size, bb_schedule_t BB_SCHEDULE_INIT);
 }
 
 bb_status bb_trainer_set_schedule(bb_trainer_h trainer, const bb_schedule_t* schedule) {
@@ -198,12 +212,12 @@ bb_status bb_trainer_stop_task(bb_trainer_h trainer, uint64_t task_id) {
   BB_GUARD(return impl(trainer)->stop_task(task_id););
 }
 
-void bb_task_options_init(bb_task_options_t* opts) {
-  if (opts) *opts = bb_task_options_t BB_TASK_OPTIONS_INIT;
+void bb_task_options_init_sized(bb_task_options_t* opts, size_t size) {
+  init_sized(opts, size, bb_task_options_t BB_TASK_OPTIONS_INIT);
 }
 
-void bb_task_callbacks_init(bb_task_callbacks_t* cbs) {
-  if (cbs) *cbs = bb_task_callbacks_t BB_TASK_CALLBACKS_INIT;
+void bb_task_callbacks_init_sized(bb_task_callbacks_t* cbs, size_t size) {
+  init_sized(cbs, size, bb_task_callbacks_t BB_TASK_CALLBACKS_INIT);
 }
 
 bb_status bb_task_attach(const char* job_id, uint32_t rank, const char* name,
@@ -270,8 +284,8 @@ bb_status bb_task_run(bb_task_h task, const bb_task_callbacks_t* callbacks) {
 
 // ---- Memory grants ----
 
-void bb_lend_options_init(bb_lend_options_t* opts) {
-  if (opts) *opts = bb_lend_options_t BB_LEND_OPTIONS_INIT;
+void bb_lend_options_init_sized(bb_lend_options_t* opts, size_t size) {
+  init_sized(opts, size, bb_lend_options_t BB_LEND_OPTIONS_INIT);
 }
 
 bb_status bb_trainer_lend(bb_trainer_h trainer, const bb_lend_options_t* opts) {

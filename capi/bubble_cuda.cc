@@ -19,8 +19,14 @@ using bb::core::fail_msg;
 
 extern "C" {
 
-BB_API void bb_stream_timing_options_init(bb_stream_timing_options_t* opts) {
-  if (opts) *opts = BB_STREAM_TIMING_OPTIONS_INIT;
+BB_API void bb_stream_timing_options_init_sized(bb_stream_timing_options_t* opts, size_t size) {
+  // As bubble.h's *_init_sized: exactly `size` bytes, the defaults then zeros.
+  if (!opts || size < 8 || size > 65536) return;
+  const bb_stream_timing_options_t d = BB_STREAM_TIMING_OPTIONS_INIT;
+  const size_t known = std::min(size, sizeof d);
+  std::memcpy(opts, &d, known);
+  if (size > known) std::memset(reinterpret_cast<char*>(opts) + known, 0, size - known);
+  opts->size = uint32_t(size);
 }
 
 BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_timing_options_t* opts,

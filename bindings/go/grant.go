@@ -117,7 +117,7 @@ func (t *Trainer) Lend(opts LendOptions) error {
 	}
 	defer done()
 	var o C.bb_lend_options_t
-	C.bb_lend_options_init(&o)
+	C.bb_lend_options_init_sized(&o, C.sizeof_bb_lend_options_t)
 	if opts.Backend != 0 {
 		o.backend = C.uint32_t(opts.Backend)
 	}

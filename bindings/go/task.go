@@ -135,7 +135,7 @@ func Attach(jobID string, rank uint32, name string, opts *TaskOptions) (*Task, e
 	}
 	defer C.free(unsafe.Pointer(cname))
 	var o C.bb_task_options_t
-	C.bb_task_options_init(&o)
+	C.bb_task_options_init_sized(&o, C.sizeof_bb_task_options_t)
 	if opts != nil {
 		o.priority = C.int32_t(opts.Priority)
 		o.mem_need = C.uint64_t(opts.MemNeed)

@@ -114,7 +114,7 @@ func OpenTrainer(jobID string, rank uint32, opts *TrainerOptions) (*Trainer, err
 	}
 	defer C.free(unsafe.Pointer(job))
 	var o C.bb_trainer_options_t
-	C.bb_trainer_options_init(&o)
+	C.bb_trainer_options_init_sized(&o, C.sizeof_bb_trainer_options_t)
 	if opts != nil {
 		if opts.MaxSlots != 0 {
 			o.max_slots = C.uint32_t(opts.MaxSlots)
@@ -242,7 +242,7 @@ func (t *Trainer) SetSchedule(s Schedule) error {
 	}
 	defer done()
 	var c C.bb_schedule_t
-	C.bb_schedule_init(&c)
+	C.bb_schedule_init_sized(&c, C.sizeof_bb_schedule_t)
 	c.kind = C.uint32_t(s.Kind)
 	c.stages = C.uint32_t(s.Stages)
 	c.microbatches = C.uint32_t(s.Microbatches)

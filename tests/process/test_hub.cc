@@ -1,6 +1,7 @@
 // Multi-process tests: a trainer (this process, or a bb_test_trainer child) and side tasks in
 // child processes, cooperating through a real hub.
 #include <bubble/bubble.h>
+#include <bubble/bubble_cuda.h>
 #include <doctest/doctest.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
@@ -9,9 +10,11 @@
 
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "core/observer.h"
@@ -401,6 +404,85 @@ TEST_CASE("wait_options_over_a_second_are_refused_with_the_option_named") {
   o.size = 4;
   CHECK(bb_task_attach("spins", 0, "t", &o, &task) == BB_E_INVALID);
   CHECK(std::string(bb_last_error()).find("size is 4") != std::string::npos);
+}
+
+namespace {
+
+// Checks one *_init_sized function against its _INIT defaults at a caller size smaller than
+// the library's struct (an older header), equal to it, and larger (a newer header).
+template <typename T>
+void check_init_sized(void (*init_sized)(T*, size_t), const T& defaults) {
+  static_assert(std::has_unique_object_representations_v<T>, "compared byte by byte");
+  constexpr size_t kGuard = 64;
+  alignas(T) unsigned char buf[sizeof(T) + 2 * kGuard];
+  auto fresh = [&] { std::memset(buf, 0xab, sizeof buf); };
+  auto untouched_from = [&](size_t from) {
+    for (size_t k = from; k < sizeof buf; ++k)
+      if (buf[k] != 0xab) return false;
+    return true;
+  };
+  T* p = reinterpret_cast<T*>(buf);
+  // An older caller's struct: nothing past its size is written, and its size says so.
+  fresh();
+  init_sized(p, 8);
+  CHECK(p->size == 8);
+  CHECK(std::memcmp(buf + 4, reinterpret_cast<const unsigned char*>(&defaults) + 4, 4) == 0);
+  CHECK(untouched_from(8));
+  // The library's own size: exactly the defaults.
+  fresh();
+  init_sized(p, sizeof(T));
+  CHECK(std::memcmp(buf, &defaults, sizeof(T)) == 0);
+  CHECK(untouched_from(sizeof(T)));
+  // A newer caller's larger struct: the defaults, zeros for the fields the library does not
+  // know, its size kept, and nothing past it.
+  fresh();
+  init_sized(p, sizeof(T) + kGuard);
+  CHECK(p->size == sizeof(T) + kGuard);
+  CHECK(std::memcmp(buf + 4, reinterpret_cast<const unsigned char*>(&defaults) + 4,
+                    sizeof(T) - 4) == 0);
+  bool zeros = true;
+  for (size_t k = sizeof(T); k < sizeof(T) + kGuard; ++k) zeros &= buf[k] == 0;
+  CHECK(zeros);
+  CHECK(untouched_from(sizeof(T) + kGuard));
+  // No room for the size, or no struct: nothing written.
+  fresh();
+  init_sized(p, 4);
+  CHECK(untouched_from(0));
+  init_sized(p, 1 << 20);
+  CHECK(untouched_from(0));
+  init_sized(nullptr, sizeof(T));
+}
+
+}  // namespace
+
+// A program built against another version's header passes its own struct size to the
+// library's init (the *_init macros do): the library never writes past it.
+TEST_CASE("option_inits_write_exactly_the_callers_size") {
+  check_init_sized(bb_trainer_options_init_sized, bb_trainer_options_t BB_TRAINER_OPTIONS_INIT);
+  check_init_sized(bb_schedule_init_sized, bb_schedule_t BB_SCHEDULE_INIT);
+  check_init_sized(bb_task_options_init_sized, bb_task_options_t BB_TASK_OPTIONS_INIT);
+  check_init_sized(bb_task_callbacks_init_sized, bb_task_callbacks_t BB_TASK_CALLBACKS_INIT);
+  check_init_sized(bb_lend_options_init_sized, bb_lend_options_t BB_LEND_OPTIONS_INIT);
+  check_init_sized(bb_stream_timing_options_init_sized,
+                   bb_stream_timing_options_t BB_STREAM_TIMING_OPTIONS_INIT);
+  // The macro passes the caller's size.
+  bb_task_options_t o;
+  std::memset(&o, 0, sizeof o);
+  bb_task_options_init(&o);
+  CHECK(o.size == sizeof o);
+  CHECK(o.wake_lead_ns == 50000);
+  // A newer caller's larger struct, so initialised, is taken as it is by the calls that read it.
+  RuntimeDir dir;
+  Trainer t("newer", 0, 2);
+  struct {
+    bb_task_options_t o;
+    uint64_t newer_field;
+  } bigger;
+  bb_task_options_init_sized(&bigger.o, sizeof bigger);
+  CHECK(bigger.newer_field == 0);
+  bb_task_h task = nullptr;
+  REQUIRE(bb_task_attach("newer", 0, "t", &bigger.o, &task) == BB_OK);
+  bb_task_detach(task);
 }
 
 TEST_CASE("attach_without_trainer_says_so") {

@@ -147,7 +147,7 @@ def lend_options(size: int, backend: GrantBackend, device_ptr: int | None, devic
                  max_grants: int | None, alignment: int | None,
                  auto_grant: bool, clear_grants: bool = True) -> _lib.LendOptionsC:
     opts = _lib.LendOptionsC()
-    lib.bb_lend_options_init(ctypes.byref(opts))
+    lib.bb_lend_options_init_sized(ctypes.byref(opts), ctypes.sizeof(opts))
     opts.backend = int(backend)
     opts.bytes = size
     opts.device_ptr = device_ptr or 0

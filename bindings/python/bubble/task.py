@@ -132,7 +132,7 @@ class Task:
                  wake_mode: WakeMode = WakeMode.PREDICTIVE, wake_lead_ns: int | None = None,
                  runtime_dir: str | os.PathLike[str] | None = None) -> None:
         opts = _lib.TaskOptions()
-        lib.bb_task_options_init(ctypes.byref(opts))
+        lib.bb_task_options_init_sized(ctypes.byref(opts), ctypes.sizeof(opts))
         opts.priority = priority
         opts.mem_need = mem_need
         opts.min_step_ns = min_step_ns
@@ -259,7 +259,7 @@ class Task:
 
         # The CFUNCTYPE objects must outlive bb_task_run: they are held in locals until it returns.
         cbs = _lib.TaskCallbacks()
-        lib.bb_task_callbacks_init(ctypes.byref(cbs))
+        lib.bb_task_callbacks_init_sized(ctypes.byref(cbs), ctypes.sizeof(cbs))
         cbs.init = _lib.INIT_FN(lambda _u: guard(call, side_task.init))
         cbs.step = _lib.STEP_FN(step)
         cbs.pause = _lib.INIT_FN(lambda _u: guard(call, side_task.pause))

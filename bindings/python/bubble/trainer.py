@@ -89,7 +89,7 @@ class Trainer:
                  allow_uid: int | None = None) -> None:
         self._handle: SharedHandle | None = None
         opts = _lib.TrainerOptions()
-        lib.bb_trainer_options_init(ctypes.byref(opts))
+        lib.bb_trainer_options_init_sized(ctypes.byref(opts), ctypes.sizeof(opts))
         if max_slots is not None:
             opts.max_slots = max_slots
         if max_running is not None:
@@ -175,7 +175,7 @@ class Trainer:
         if (fwd is None) != (bwd is None):
             raise ValueError("give both fwd and bwd, or neither (None: measure them)")
         sc = _lib.ScheduleC()
-        lib.bb_schedule_init(ctypes.byref(sc))
+        lib.bb_schedule_init_sized(ctypes.byref(sc), ctypes.sizeof(sc))
         sc.kind = int(kind)
         sc.stages, sc.microbatches, sc.stage, sc.chunks = stages, microbatches, stage, chunks
         sc.fwd_ns, sc.bwd_ns = _ns(fwd), _ns(bwd)

@@ -6,7 +6,12 @@
  *   - handles are opaque pointers named *_h; the function that creates one has an
  *     out-parameter, the matching close/detach function frees it and accepts NULL;
  *   - structs end in _t and start with a uint32_t `size` that the caller sets. Option structs
- *     (passed in): use the *_init() helper or the *_INIT macro. Output structs
+ *     (passed in): use the *_init() helper or the *_INIT macro. Each *_init(p) is a macro over
+ *     the exported *_init_sized(p, sizeof *p): the library writes exactly the caller's size
+ *     (its defaults for the fields it knows, zeros past them; under 8 bytes, or over 64 KiB,
+ *     nothing) and sets p->size to it, so a program built against another version's header
+ *     never has its struct overrun, and a binding passes the size of its own mirror of the
+ *     struct. Output structs
  *     (bb_trainer_stats_t, bb_task_info_t, bb_start_info_t, bb_grant_info_t, bb_grant_stats_t,
  *     bb_task_grant_t; bb_stream_timing_stats_t in bubble_cuda.h) have neither: set
  *     out->size = sizeof *out before the call (under 8 gives BB_E_INVALID); the library writes
@@ -125,7 +130,8 @@ typedef struct bb_trainer_options_t {
 } bb_trainer_options_t;
 
 #define BB_TRAINER_OPTIONS_INIT {sizeof(bb_trainer_options_t), 64u, 1u, 4096u, NULL, UINT32_MAX, 0u}
-BB_API void bb_trainer_options_init(bb_trainer_options_t *opts);
+BB_API void bb_trainer_options_init_sized(bb_trainer_options_t *opts, size_t size);
+#define bb_trainer_options_init(opts) bb_trainer_options_init_sized((opts), sizeof *(opts))
 
 /* Create the hub (job_id: 1..BB_NAME_MAX of [A-Za-z0-9_.-], not starting with '.'; rank
  * 0..65535). A hub left by a dead trainer with the same name is cleaned up and replaced;
@@ -206,7 +212,8 @@ typedef struct bb_schedule_t {
 #define BB_SCHEDULE_INIT \
   {sizeof(bb_schedule_t), BB_SCHEDULE_1F1B, 0u, 0u, 1u, 0u, 0u, 0u, 0u, 0u, \
    BB_SCHEDULE_BUBBLES_IDLE, 0u}
-BB_API void bb_schedule_init(bb_schedule_t *schedule);
+BB_API void bb_schedule_init_sized(bb_schedule_t *schedule, size_t size);
+#define bb_schedule_init(schedule) bb_schedule_init_sized((schedule), sizeof *(schedule))
 
 /* Declares the schedule: the predictor is seeded with this stage's bubble lengths and the gaps
  * between them, so bb_bubble_begin(expected_ns = 0) and predictive wake are right from the first
@@ -326,12 +333,13 @@ typedef struct bb_task_options_t {
 #define BB_TASK_OPTIONS_INIT                                                                   \
   {sizeof(bb_task_options_t), 0, 0u, 0u, BB_ON_TRAINER_EXIT_RETURN, BB_WAKE_PREDICTIVE,        \
    60000000000ull, 20000ull, NULL, 50000ull}
-BB_API void bb_task_options_init(bb_task_options_t *opts);
+BB_API void bb_task_options_init_sized(bb_task_options_t *opts, size_t size);
+#define bb_task_options_init(opts) bb_task_options_init_sized((opts), sizeof *(opts))
 
 /* Attach to the hub of (job_id, rank) under a name (1..BB_NAME_MAX printable characters).
  * opts may be NULL. Fails with BB_E_NOT_FOUND when no trainer serves that hub, BB_E_FULL when
- * its slot table is full (or it holds 64 connections that have no slot), BB_E_VERSION when the trainer's libbubble speaks another layout,
- * BB_E_PERMISSION when the trainer cannot watch the calling process (it must be the process that
+ * its slot table is full (or it holds 64 connections that have no slot), BB_E_VERSION when the
+ * trainer's libbubble speaks another layout, BB_E_PERMISSION when the trainer cannot watch the calling process (it must be the process that
  * connects, alive, and visible in the trainer's pid namespace; BB_E_UNSUPPORTED on a kernel
  * without pidfd_open), BB_E_TRAINER_GONE when the trainer closed the connection during the
  * attach, BB_E_TIMEOUT when it did not answer within 5 s. */
@@ -418,7 +426,8 @@ typedef struct bb_task_callbacks_t {
 
 #define BB_TASK_CALLBACKS_INIT \
   {sizeof(bb_task_callbacks_t), 0u, NULL, NULL, NULL, NULL, NULL, NULL, NULL}
-BB_API void bb_task_callbacks_init(bb_task_callbacks_t *cbs);
+BB_API void bb_task_callbacks_init_sized(bb_task_callbacks_t *cbs, size_t size);
+#define bb_task_callbacks_init(cbs) bb_task_callbacks_init_sized((cbs), sizeof *(cbs))
 
 /* Iterative: runs init, then in every bubble resume, steps while the measured step time fits
  * before the deadline and no pause is asked, then pause and an ack; idle between bubbles.
@@ -479,7 +488,8 @@ typedef struct bb_lend_options_t {
 
 #define BB_LEND_OPTIONS_INIT \
   {sizeof(bb_lend_options_t), BB_GRANT_HOST, 0u, 0u, 0, 64u, 0u, 1u, 0u, 1u, 0u}
-BB_API void bb_lend_options_init(bb_lend_options_t *opts);
+BB_API void bb_lend_options_init_sized(bb_lend_options_t *opts, size_t size);
+#define bb_lend_options_init(opts) bb_lend_options_init_sized((opts), sizeof *(opts))
 
 /* Lends memory to the hub's tasks. One lent range at a time (BB_E_BUSY while one is lent); the
  * lent memory is given back by bb_trainer_unlend or when the hub closes. BB_E_UNSUPPORTED for a

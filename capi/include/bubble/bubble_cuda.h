@@ -38,7 +38,10 @@ typedef struct bb_stream_timing_options_t {
 } bb_stream_timing_options_t;
 
 #define BB_STREAM_TIMING_OPTIONS_INIT {sizeof(bb_stream_timing_options_t), 0, 64u, 0u, 10000ull}
-BB_API void bb_stream_timing_options_init(bb_stream_timing_options_t *opts);
+/* Writes exactly `size` bytes, as the *_init_sized functions of bubble.h do. */
+BB_API void bb_stream_timing_options_init_sized(bb_stream_timing_options_t *opts, size_t size);
+#define bb_stream_timing_options_init(opts) \
+  bb_stream_timing_options_init_sized((opts), sizeof *(opts))
 
 /* Starts stream timing for a trainer: creates the events and the watcher thread ("bb-stream",
  * which blocks asynchronous signals like the hub's service thread). From then on

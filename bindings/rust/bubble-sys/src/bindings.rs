@@ -203,7 +203,7 @@ fn bindgen_test_layout_bb_trainer_options_t() {
     test_field_reserved0_();
 }
 extern "C" {
-    pub fn bb_trainer_options_init(opts: *mut bb_trainer_options_t);
+    pub fn bb_trainer_options_init_sized(opts: *mut bb_trainer_options_t, size: usize);
 }
 extern "C" {
     pub fn bb_trainer_open(
@@ -472,7 +472,7 @@ fn bindgen_test_layout_bb_schedule_t() {
     test_field_reserved0_();
 }
 extern "C" {
-    pub fn bb_schedule_init(schedule: *mut bb_schedule_t);
+    pub fn bb_schedule_init_sized(schedule: *mut bb_schedule_t, size: usize);
 }
 extern "C" {
     pub fn bb_trainer_set_schedule(
@@ -1303,7 +1303,7 @@ fn bindgen_test_layout_bb_task_options_t() {
     test_field_wake_lead_ns();
 }
 extern "C" {
-    pub fn bb_task_options_init(opts: *mut bb_task_options_t);
+    pub fn bb_task_options_init_sized(opts: *mut bb_task_options_t, size: usize);
 }
 extern "C" {
     pub fn bb_task_attach(
@@ -1911,7 +1911,7 @@ fn bindgen_test_layout_bb_task_callbacks_t() {
     test_field_idle();
 }
 extern "C" {
-    pub fn bb_task_callbacks_init(cbs: *mut bb_task_callbacks_t);
+    pub fn bb_task_callbacks_init_sized(cbs: *mut bb_task_callbacks_t, size: usize);
 }
 extern "C" {
     pub fn bb_task_run(task: bb_task_h, callbacks: *const bb_task_callbacks_t) -> bb_status;
@@ -2136,7 +2136,7 @@ fn bindgen_test_layout_bb_lend_options_t() {
     test_field_reserved1_();
 }
 extern "C" {
-    pub fn bb_lend_options_init(opts: *mut bb_lend_options_t);
+    pub fn bb_lend_options_init_sized(opts: *mut bb_lend_options_t, size: usize);
 }
 extern "C" {
     pub fn bb_trainer_lend(trainer: bb_trainer_h, opts: *const bb_lend_options_t) -> bb_status;

@@ -110,10 +110,12 @@ impl Default for LendOptions {
 
 impl LendOptions {
     pub(crate) fn to_sys(&self) -> sys::bb_lend_options_t {
-        // SAFETY: init fills every field.
+        // SAFETY: init_sized writes all `size` bytes (a library that knows fewer fields zeroes
+        // the rest).
         let mut o = unsafe {
             let mut o = std::mem::MaybeUninit::<sys::bb_lend_options_t>::uninit();
-            sys::bb_lend_options_init(o.as_mut_ptr());
+            let size = std::mem::size_of::<sys::bb_lend_options_t>();
+            sys::bb_lend_options_init_sized(o.as_mut_ptr(), size);
             o.assume_init()
         };
         o.backend = self.backend.raw();

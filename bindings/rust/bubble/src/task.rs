@@ -181,10 +181,12 @@ impl Task {
         let job = c_string("job id", job_id)?;
         let cname = c_string("task name", name)?;
         let dir = options.runtime_dir.as_deref().map(|d| c_string("runtime dir", d)).transpose()?;
-        // SAFETY: init fills every field.
+        // SAFETY: init_sized writes all `size` bytes (a library that knows fewer fields zeroes
+        // the rest).
         let mut opts = unsafe {
             let mut o = std::mem::MaybeUninit::<sys::bb_task_options_t>::uninit();
-            sys::bb_task_options_init(o.as_mut_ptr());
+            let size = std::mem::size_of::<sys::bb_task_options_t>();
+            sys::bb_task_options_init_sized(o.as_mut_ptr(), size);
             o.assume_init()
         };
         opts.priority = options.priority;
@@ -213,10 +215,12 @@ impl Task {
     /// trainer leaves.
     pub fn run<T: SideTask>(&mut self, side_task: &mut T) -> Result<Outcome> {
         let mut bridge = Bridge { task: side_task, failure: None, handle: self.raw.as_ptr(), host_grant: 0 };
-        // SAFETY: init fills every field.
+        // SAFETY: init_sized writes all `size` bytes (a library that knows fewer fields zeroes
+        // the rest).
         let mut cbs = unsafe {
             let mut c = std::mem::MaybeUninit::<sys::bb_task_callbacks_t>::uninit();
-            sys::bb_task_callbacks_init(c.as_mut_ptr());
+            let size = std::mem::size_of::<sys::bb_task_callbacks_t>();
+            sys::bb_task_callbacks_init_sized(c.as_mut_ptr(), size);
             c.assume_init()
         };
         cbs.user = &mut bridge as *mut Bridge<T> as *mut c_void;

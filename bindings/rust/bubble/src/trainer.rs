@@ -163,10 +163,12 @@ impl Trainer {
     pub fn open(job_id: &str, rank: u32, options: &TrainerOptions) -> Result<Trainer> {
         let job = c_string("job id", job_id)?;
         let dir = options.runtime_dir.as_deref().map(|d| c_string("runtime dir", d)).transpose()?;
-        // SAFETY: init fills every field of a struct of the right size.
+        // SAFETY: init_sized writes all `size` bytes (a library that knows fewer fields zeroes
+        // the rest).
         let mut opts = unsafe {
             let mut o = std::mem::MaybeUninit::<sys::bb_trainer_options_t>::uninit();
-            sys::bb_trainer_options_init(o.as_mut_ptr());
+            let size = std::mem::size_of::<sys::bb_trainer_options_t>();
+            sys::bb_trainer_options_init_sized(o.as_mut_ptr(), size);
             o.assume_init()
         };
         opts.max_slots = options.max_slots;
@@ -211,10 +213,12 @@ impl Trainer {
     /// Declares the pipeline schedule (from the bubble thread, before an iteration; not
     /// bounded-time). `Status::Invalid` names what the schedule model rejects.
     pub fn set_schedule(&mut self, schedule: &Schedule) -> Result<()> {
-        // SAFETY: init fills every field.
+        // SAFETY: init_sized writes all `size` bytes (a library that knows fewer fields zeroes
+        // the rest).
         let mut c = unsafe {
             let mut c = std::mem::MaybeUninit::<sys::bb_schedule_t>::uninit();
-            sys::bb_schedule_init(c.as_mut_ptr());
+            let size = std::mem::size_of::<sys::bb_schedule_t>();
+            sys::bb_schedule_init_sized(c.as_mut_ptr(), size);
             c.assume_init()
         };
         c.kind = match schedule.kind {
