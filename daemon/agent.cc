@@ -47,6 +47,7 @@ std::string Agent::start(uv_loop_t* loop) {
   for (const std::string& d : {cfg_.runtime_dir, cfg_.state_dir, cfg_.state_dir + "/logs",
                                cfg_.state_dir + "/run"}) {
     std::string e = make_dirs(d, 0700);
+    if (e.empty()) e = check_private_dir(d);
     if (!e.empty()) return e;
   }
   // One agent per state directory: two would launch every queued task twice.

@@ -18,4 +18,9 @@ std::string default_state_dir();
 // mkdir -p with the given mode for directories it creates. Returns "" or an error sentence.
 std::string make_dirs(const std::string& path, unsigned mode);
 
+// "" when the directory is this process's own (owned by its effective uid) and nobody else
+// may write in it; else an error sentence. What the agent reads back from its state directory
+// (queued tasks, their argv and environment) it runs, so nobody else may write there.
+std::string check_private_dir(const std::string& path);
+
 }  // namespace bb::daemon

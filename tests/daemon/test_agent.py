@@ -7,7 +7,7 @@ import socket
 import subprocess
 import time
 
-from conftest import BUBBLECTL, TASK_GOOD, wait_until
+from conftest import BUBBLECTL, BUBBLED, TASK_GOOD, wait_until
 
 
 def test_submit_runs_task_to_completion_and_lists_it(env):
@@ -142,6 +142,45 @@ def test_errors_name_the_problem_and_the_fix(env):
     with open(os.path.join(env.root, "agent2.log")) as f:
         assert "another bubbled uses the state directory" in f.read()
 
+
+def _agent_refuses(env, state, name):
+    p = env.spawn([BUBBLED, "--socket", os.path.join(env.root, name + ".sock"), "--state-dir",
+                   state, "--metrics-port", "off"], name + ".log")
+    assert p.wait(timeout=30) == 1
+    with open(os.path.join(env.root, name + ".log")) as f:
+        return f.read()
+
+
+def test_a_state_directory_others_may_write_in_is_refused(env):
+    """What the agent reads back from its state directory it runs (queued tasks, their argv and
+    environment): a directory somebody else owns or may write in is refused, not used."""
+    shared = os.path.join(env.root, "shared-state")
+    os.mkdir(shared)
+    os.chmod(shared, 0o777)
+    text = _agent_refuses(env, shared, "shared")
+    assert "is writable by others (mode 777)" in text and "chmod 700" in text, text
+    assert not os.path.exists(os.path.join(shared, "bubbled.db"))
+    # Its logs directory too, where the agent would open each task's output.
+    mine = os.path.join(env.root, "mine")
+    os.makedirs(os.path.join(mine, "logs"))
+    os.chmod(os.path.join(mine, "logs"), 0o773)
+    text = _agent_refuses(env, mine, "mine")
+    assert mine + "/logs is writable by others" in text, text
+    if os.geteuid() == 0:
+        theirs = os.path.join(env.root, "theirs")
+        os.mkdir(theirs, 0o700)
+        os.chown(theirs, 65534, 65534)
+        text = _agent_refuses(env, theirs, "theirs")
+        assert "belongs to uid 65534" in text and "--state-dir" in text, text
+        # A link to somebody else's directory is refused for where it leads.
+        link = os.path.join(env.root, "link")
+        os.symlink(theirs, link)
+        assert "belongs to uid 65534" in _agent_refuses(env, link, "link")
+    # The same directory, made private, is used.
+    os.chmod(shared, 0o700)
+    env.state = shared
+    env.start_agent()
+    assert os.path.exists(os.path.join(shared, "bubbled.db"))
 
 def _children(pid):
     try:
