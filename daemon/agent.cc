@@ -106,7 +106,10 @@ void Agent::shutdown() {
     }
   }
   for (auto& [name, hub] : hubs_) close_hub_handles(hub.get());
-  // Tasks keep running: the next agent re-adopts them.
+  // Tasks keep running: the next agent re-adopts them. One that enforcement stopped would stay
+  // stopped until then (or for good, with no agent to come): it is continued now.
+  for (auto& [id, row] : tasks_)
+    if (row.state == "stopped") continue_stopped(&row, row.hub, "the agent is stopping");
   std::vector<int64_t> ids;
   for (const auto& [id, lt] : live_) ids.push_back(id);
   for (int64_t id : ids) release_live(id);

@@ -159,6 +159,8 @@ class Agent {
   // Kills what is left of a submitted task's process group once its wrapper is gone.
   void kill_orphans(const TaskRow& row, bool wrapper_died);
   void signal_task(const TaskRow& row, int sig);
+  // Continues a task that enforcement stopped, records why, and saves it as running.
+  void continue_stopped(TaskRow* row, const std::string& hub, const std::string& why);
   void record(const TaskRow* row, pid_t pid, const std::string& hub, const std::string& action,
               const std::string& detail);
   void save(const TaskRow& row);

@@ -336,6 +336,14 @@ void Agent::reconcile_tasks(Hub* hub) {
       continue;
     }
     auto rit = tasks_.find(it->second);
+    if (rit != tasks_.end() && rit->second.state == "stopped") {
+      // Its slot left while enforcement had it stopped (its trainer killed it at a revoke's
+      // deadline, say): the continue that the next bubble would have brought never comes, and
+      // a launched task's wrapper, stopped with its group, could not even reap it.
+      rit->second.message = "continued: its slot left the hub while it was stopped";
+      continue_stopped(&rit->second, hub->name,
+                       "its slot left hub " + hub->name + " while it was stopped");
+    }
     if (rit != tasks_.end() && rit->second.origin == "attached" &&
         !state_is_final(rit->second.state)) {
       TaskRow& row = rit->second;

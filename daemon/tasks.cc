@@ -503,6 +503,13 @@ void Agent::signal_task(const TaskRow& row, int sig) {
   }
 }
 
+void Agent::continue_stopped(TaskRow* row, const std::string& hub, const std::string& why) {
+  signal_task(*row, SIGCONT);
+  record(row, row->pid, hub, "continue", why);
+  row->state = "running";
+  save(*row);
+}
+
 void Agent::terminate(TaskRow* row, const std::string& why) {
   LiveTask* lt = live(row->id);
   if (row->state == "stopped") {
@@ -678,7 +685,12 @@ void Agent::readopt_tasks() {
     if (state_is_final(row.state) || row.state == "queued") continue;
     bool alive = !earlier_boot_ && row.pid > 0 && same_process(row.pid, row.pid_start);
     if (row.origin == "attached") {
-      if (!alive) finish_row(&row, "lost", "ended while the agent was down");
+      if (!alive) {
+        finish_row(&row, "lost", "ended while the agent was down");
+      } else if (row.state == "stopped") {
+        // As a launched task below: its escalation state died with the old agent.
+        continue_stopped(&row, row.hub, "the agent restarted");
+      }
       // Alive: matched again by pid when its hub's snapshot shows it.
       continue;
     }
@@ -687,10 +699,7 @@ void Agent::readopt_tasks() {
       watch_pidfd(&row);
       if (row.state == "stopped") {
         // Its escalation state died with the old agent: let it run; a new violation counts.
-        signal_task(row, SIGCONT);
-        record(&row, row.pid, row.hub, "continue", "the agent restarted");
-        row.state = "running";
-        save(row);
+        continue_stopped(&row, row.hub, "the agent restarted");
       } else if (row.state == "stopping") {
         LiveTask* lt = live(id);
         if (lt) lt->cancel = row.message.find("cancel") != std::string::npos;

@@ -152,6 +152,24 @@ class Env:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+def children(pid):
+    """The pids of a process's children (none once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            return [int(p) for p in f.read().split()]
+    except OSError:
+        return []
+
+
+def proc_state(pid):
+    """A process's state letter from /proc (T: stopped), or "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
 @pytest.fixture
 def env():
     e = Env()

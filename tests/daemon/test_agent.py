@@ -7,7 +7,7 @@ import socket
 import subprocess
 import time
 
-from conftest import BUBBLECTL, BUBBLED, TASK_GOOD, wait_until
+from conftest import BUBBLECTL, BUBBLED, TASK_GOOD, children, wait_until
 
 
 def test_submit_runs_task_to_completion_and_lists_it(env):
@@ -182,13 +182,6 @@ def test_a_state_directory_others_may_write_in_is_refused(env):
     env.start_agent()
     assert os.path.exists(os.path.join(shared, "bubbled.db"))
 
-def _children(pid):
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            return [int(p) for p in f.read().split()]
-    except OSError:
-        return []
-
 
 def _gone(pid):
     try:
@@ -207,8 +200,8 @@ def test_killing_the_listed_pid_alone_ends_the_task_and_records_it_once(env):
     tid = env.submit("/bin/sh", "-c", f"sleep 300 & exec {TASK_GOOD} 0")
     t = env.wait_state(tid, "running")
     wrapper = t["pid"]
-    task = wait_until("the task under its wrapper", lambda: _children(wrapper))[0]
-    grandchild = wait_until("the task's own child", lambda: _children(task))[0]
+    task = wait_until("the task under its wrapper", lambda: children(wrapper))[0]
+    grandchild = wait_until("the task's own child", lambda: children(task))[0]
     wait_until("the task to attach", lambda: env.hub("j:0")["tasks"] == 1)
     os.kill(wrapper, signal.SIGKILL)
     wait_until("the task to die with its wrapper", lambda: _gone(task))

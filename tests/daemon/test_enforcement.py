@@ -3,7 +3,7 @@ killed after the configured number of violations; every action is recorded and s
 import os
 import signal
 
-from conftest import HOSTILE_TASK, TASK_GOOD, TASK_ROGUE, wait_until
+from conftest import HOSTILE_TASK, TASK_GOOD, TASK_ROGUE, children, proc_state, wait_until
 
 
 def test_task_ignoring_pause_is_stopped_then_killed(env):
@@ -73,3 +73,46 @@ def test_a_task_being_cancelled_is_not_stopped_again_nor_shown_running(env):
     os.killpg(env.task(tid)["pid"], signal.SIGKILL)  # it would never stop by itself
     t = env.wait_state(tid, ("cancelled", "failed", "killed", "finished"))
     assert t["state"] == "cancelled", t
+
+
+def _stopped_rogue(env):
+    """A task that never pauses, launched and then stopped by enforcement, on the last stage of
+    a pipeline whose every compute step takes a second or more: the continue its next bubble
+    brings is a second away or more."""
+    env.trainer("j", 3, fwd=1000, bwd=2000)
+    env.start_agent("--grace-ms", "20", "--kill-after", "1000")
+    tid = env.submit(TASK_ROGUE)
+    t = env.wait_state(tid, "stopped")
+    task = wait_until("the task under its wrapper", lambda: children(t["pid"]))[0]
+    return tid, t["pid"], task
+
+
+def _actions_of(env, tid):
+    return [line for line in env.ctl("actions").stdout.splitlines()[1:]
+            if line.split()[1] == str(tid)]
+
+
+def test_a_stopped_task_whose_slot_leaves_is_continued_and_ends(env):
+    """The task dies while stopped (its trainer killed it at a revoke's deadline, or the OOM
+    killer did): its slot leaves the hub, so no bubble of that hub will continue it. The agent
+    continues its group, whose wrapper, stopped with it, then reaps it and the row ends."""
+    tid, wrapper, task = _stopped_rogue(env)
+    os.kill(task, signal.SIGKILL)
+    t = env.wait_state(tid, ("killed", "failed", "finished", "lost"))
+    assert t["state"] == "failed" and "killed by signal 9" in t["message"], t
+    assert any("its slot left hub j:3 while it was stopped" in a for a in _actions_of(env, tid))
+    wait_until("the wrapper gone", lambda: proc_state(wrapper) in ("", "Z"))
+
+
+def test_an_agent_that_stops_continues_the_tasks_it_had_stopped(env):
+    """No agent is left to continue them at their hub's next bubble: they are continued as the
+    agent stops, and keep running for the next agent to adopt."""
+    tid, wrapper, task = _stopped_rogue(env)
+    assert proc_state(task) == "T"
+    env.kill_agent(signal.SIGTERM)
+    assert env.agent.returncode == 0
+    assert proc_state(task) not in ("T", ""), proc_state(task)
+    assert proc_state(wrapper) not in ("T", ""), proc_state(wrapper)
+    env.start_agent()
+    assert env.task(tid)["state"] == "running"
+    assert any("the agent is stopping" in a for a in _actions_of(env, tid))
