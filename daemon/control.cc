@@ -53,6 +53,7 @@ constexpr size_t kMaxArgs = 256;
 constexpr size_t kMaxEnv = 256;
 constexpr size_t kMaxEntryBytes = 4 << 10;
 constexpr size_t kMaxSpecBytes = 64 << 10;
+constexpr size_t kMaxMpsLimitBytes = 256;  // "2G" or "0=2G,1=4G,...": a few per device
 
 struct Conn {
   uv_pipe_t pipe;
@@ -230,6 +231,11 @@ std::string check_sizes(proto::TaskSpec::Reader r) {
     total += e.size();
   }
   if (total > kMaxSpecBytes) return too_big("argv and env together", total, kMaxSpecBytes, "bytes");
+  // Kept with the task and sent back in every list: bounded like an argument.
+  if (r.getCwd().size() > kMaxEntryBytes)
+    return too_big("working directory", r.getCwd().size(), kMaxEntryBytes, "bytes");
+  if (r.getMpsMemLimit().size() > kMaxMpsLimitBytes)
+    return too_big("MPS memory limit", r.getMpsMemLimit().size(), kMaxMpsLimitBytes, "bytes");
   return "";
 }
 

@@ -430,7 +430,6 @@ void Agent::on_task_exit(LiveTask* lt, ExitStatus st) {
   const bool recorded = read_exit_file(exit_file, &file);
   if (recorded) st = file;  // the task's own status, not the wrapper's
   kill_orphans(row, !recorded);
-  unlink(exit_file.c_str());
   bool killed = lt->killed_by_agent, cancel = lt->cancel, replace = lt->replace;
   release_live(row.id);
   row.exit_code = st.known ? st.code : -1;
@@ -470,6 +469,10 @@ void Agent::on_task_exit(LiveTask* lt, ExitStatus st) {
     finish_row(&row, "failed", "failed (" + how + "; see `bubblectl logs " +
                                    std::to_string(row.id) + " --stderr`)");
   }
+  // Only once the row that records the status is saved: an agent killed before that finds the
+  // file when it comes back, instead of calling the task lost. (Before schedule(), which may
+  // launch a re-placed task under the same id.)
+  unlink(exit_file.c_str());
   schedule();
   update_timers();
 }
@@ -512,6 +515,15 @@ void Agent::continue_stopped(TaskRow* row, const std::string& hub, const std::st
 
 void Agent::terminate(TaskRow* row, const std::string& why) {
   LiveTask* lt = live(row->id);
+  // Already on its way out: asking again (a second cancel) must not start the escalation over,
+  // or a task that ignores the stop could put its SIGKILL off for good. The reason is kept (a
+  // cancel after a re-placement's stop is what an agent restarted meanwhile must remember).
+  if (row->state == "stopping" && lt && lt->stop_timer &&
+      uv_is_active(reinterpret_cast<uv_handle_t*>(lt->stop_timer))) {
+    row->message = "stopping: " + why;
+    save(*row);
+    return;
+  }
   if (row->state == "stopped") {
     signal_task(*row, SIGCONT);
     record(row, row->pid, row->hub, "continue", "to let it stop: " + why);
@@ -662,6 +674,15 @@ void Agent::start_pidfd_watch(LiveTask* raw, pid_t pid) {
       agent_log("task #%lld (pid %d): cannot watch it yet (pidfd_open: %s); trying again",
                 static_cast<long long>(raw->id), pid, strerror(errno));
     raw->watch_failed = true;
+    return;
+  }
+  // Opened late (a retry), the pid may name another process by now: the descriptor holds the
+  // pid, so a start time that still matches is the task's.
+  auto row = tasks_.find(raw->id);
+  if (row != tasks_.end() && row->second.pid_start &&
+      !same_process(pid, row->second.pid_start)) {
+    close(fd);
+    on_task_exit(raw, ExitStatus{});
     return;
   }
   raw->pidfd = fd;

@@ -77,6 +77,23 @@ def test_task_started_outside_the_agent_is_adopted_and_shown(env):
     assert "detached" in t["message"]
 
 
+def test_cancelling_again_never_puts_off_the_kill(env):
+    """A task that ignores the stop and SIGTERM is killed one stop timeout after SIGTERM, however
+    often it is cancelled meanwhile: each cancel must not start the escalation over."""
+    env.trainer("j", 0)
+    env.start_agent("--stop-timeout-ms", "1000")
+    tid = env.submit("/bin/sh", "-c", "trap '' TERM; while :; do sleep 1; done")
+    env.wait_state(tid, "running")
+
+    def cancel_again():
+        env.ctl("cancel", str(tid), check=False)  # refused once it has ended
+        return env.task(tid)["state"] not in ("running", "stopping") and env.task(tid)
+
+    t = wait_until("the task killed while cancelled again and again", cancel_again,
+                   timeout=60, interval=0.3)
+    assert t["state"] == "cancelled" and t["signal"] == 9, t
+
+
 def test_cancel_stops_a_running_task_and_drops_a_queued_one(env):
     env.trainer("j", 0)
     env.start_agent("--stop-timeout-ms", "2000")

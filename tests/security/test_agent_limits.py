@@ -97,6 +97,10 @@ BAD_SUBMISSIONS = [
     ('argv = ["t"], gpu = -7', "is negative"),
     ('argv = ["t"], mpsPriority = 5', "MPS client priority must be 0"),
     ('argv = ["t"], mpsMemLimit = "2G; rm -rf /"', "is malformed"),
+    (f'argv = ["t"], cwd = "/{"d" * 4096}"',
+     "working directory has 4097 bytes, more than the limit of 4096"),
+    (f'argv = ["t"], mpsMemLimit = "{"0=2G," * 52}"',
+     "MPS memory limit has 260 bytes, more than the limit of 256"),
 ]
 
 
