@@ -69,6 +69,9 @@ struct Hub {
   std::map<uint64_t, int64_t> task_rows;      // hub task id -> agent task id
   int open_failures = 0;
   uint64_t gone_ns = 0;  // when its trainer went away (mono_ns), 0 while alive
+  // Its first snapshot since it was opened was reconciled: attached rows of this hub it did not
+  // show had detached before (while the agent was down, or from an earlier trainer).
+  bool reconciled = false;
 };
 
 // A task process the agent supervises (a child, or re-adopted through a pidfd after a restart).

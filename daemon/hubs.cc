@@ -85,6 +85,14 @@ std::string Agent::start_hub_watch() {
   tick_ = new_timer(loop_, this);
   retry_timer_ = new_timer(loop_, this);
   scan_hubs();
+  // Rows of tasks that attached by themselves to a hub that is gone now (its trainer closed it
+  // while the agent was down): no snapshot will ever show them again.
+  std::set<std::string> present;
+  for (const core::HubName& h : core::list_hubs(cfg_.runtime_dir))
+    present.insert(h.job + ":" + std::to_string(h.rank));
+  for (auto& [id, row] : tasks_)
+    if (row.origin == "attached" && !state_is_final(row.state) && !present.count(row.hub))
+      finish_row(&row, "lost", "its hub " + row.hub + " was gone when the agent came back");
   return "";
 }
 
@@ -352,6 +360,18 @@ void Agent::reconcile_tasks(Hub* hub) {
     }
     hub->enforce.erase(it->first);
     it = hub->task_rows.erase(it);
+  }
+  if (!hub->reconciled) {
+    hub->reconciled = true;
+    // A task that attached by itself and left while the agent was down is in no snapshot, and
+    // an agent restarted meanwhile would otherwise keep its row running for good.
+    std::set<int64_t> shown;
+    for (const auto& [hid, rid] : hub->task_rows) shown.insert(rid);
+    for (auto& [id, row] : tasks_)
+      if (row.origin == "attached" && row.hub == hub->name && !state_is_final(row.state) &&
+          !shown.count(id))
+        finish_row(&row, "finished", "detached from hub " + hub->name +
+                                         " while the agent was down");
   }
 }
 

@@ -1,15 +1,25 @@
 /* A side task that behaves: attaches to the hub named by BUBBLE_JOB/BUBBLE_RANK (as the agent
  * sets them), runs STEPS steps of about STEP_US microseconds inside bubbles through the
  * iterative runtime (which acks every pause), and exits 0.
- * usage: task_good [STEPS [STEP_US]]   (STEPS 0 = run until stopped) */
+ * usage: task_good [STEPS [STEP_US [LINGER_S]]]   (STEPS 0 = run until stopped; LINGER_S: stay
+ * alive that many seconds after detaching, as a process that goes on without its hub). SIGUSR1
+ * ends its run at the next step, as if its work were done. */
 #include <bubble/bubble.h>
 
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 
 static unsigned long long g_steps, g_done;
 static unsigned long long g_step_ns;
+static volatile sig_atomic_t g_done_asked;
+
+static void on_usr1(int sig) {
+  (void)sig;
+  g_done_asked = 1;
+}
 
 static int step(void *user, const bb_step_info_t *info) {
   (void)user;
@@ -18,7 +28,7 @@ static int step(void *user, const bb_step_info_t *info) {
   while (bb_now_ns() < end) {
   }
   ++g_done;
-  return g_steps && g_done >= g_steps ? BB_STEP_DONE : BB_STEP_CONTINUE;
+  return g_done_asked || (g_steps && g_done >= g_steps) ? BB_STEP_DONE : BB_STEP_CONTINUE;
 }
 
 int main(int argc, char **argv) {
@@ -28,6 +38,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "task_good: BUBBLE_JOB and BUBBLE_RANK must name the hub\n");
     return 2;
   }
+  signal(SIGUSR1, on_usr1);
   g_steps = argc > 1 ? strtoull(argv[1], NULL, 10) : 20;
   g_step_ns = (argc > 2 ? strtoull(argv[2], NULL, 10) : 200) * 1000ull;
   bb_task_options_t opts;
@@ -49,5 +60,10 @@ int main(int argc, char **argv) {
   st = bb_task_run(task, &cbs);
   printf("done: %s after %llu steps\n", bb_status_name(st), g_done);
   bb_task_detach(task);
+  if (argc > 3) {
+    printf("detached\n");
+    fflush(stdout);
+    sleep((unsigned)strtoul(argv[3], NULL, 10));
+  }
   return st == BB_OK ? 0 : st == BB_E_STOPPED ? 0 : 4;
 }

@@ -179,3 +179,47 @@ def test_rows_from_before_a_restart_of_the_node_are_ended_without_touching_their
         db.close()
     finally:
         os.killpg(pid, signal.SIGKILL)  # the task the agent left alone
+
+
+def test_a_task_that_left_its_hub_while_the_agent_was_down_is_not_kept_running(env):
+    """A task that attached by itself is known by its hub's snapshots only. If it leaves while
+    the agent is down (here with its trainer, which closes its hub), the restarted agent sees
+    neither again: it ends the row instead of showing it running for good, although the
+    process lives on."""
+    trainer = env.trainer("j", 0)
+    env.start_agent()
+    out = os.path.join(env.root, "outsider.out")
+    ext = env.spawn([TASK_GOOD, "0", "200", "600"], "outsider.out",
+                    env=dict(env.env, BUBBLE_JOB="j", BUBBLE_RANK="0", BUBBLE_TASK_NAME="outsider"))
+    t = wait_until("the external task to be adopted",
+                   lambda: [t for t in env.tasks().values() if t["name"] == "outsider"])[0]
+    assert t["state"] == "running"
+    env.kill_agent()
+    trainer.terminate()
+    assert trainer.wait(timeout=30) == 0
+    wait_until("the task to leave its hub", lambda: "detached" in open(out).read())
+    assert ext.poll() is None  # it lives on, without a hub
+    env.start_agent()
+    t = env.wait_state(t["id"], ("finished", "lost"))
+    assert "was gone when the agent came back" in t["message"], t
+    assert ext.poll() is None
+
+
+def test_a_task_that_left_a_live_hub_while_the_agent_was_down_is_ended(env):
+    """The same with the hub still there: the restarted agent's first snapshot of it does not
+    show the task, so the task had detached."""
+    env.trainer("j", 0)
+    env.start_agent()
+    ext = env.spawn([TASK_GOOD, "0", "200", "600"], "outsider.out",
+                    env=dict(env.env, BUBBLE_JOB="j", BUBBLE_RANK="0", BUBBLE_TASK_NAME="outsider"))
+    t = wait_until("the external task to be adopted",
+                   lambda: [t for t in env.tasks().values() if t["name"] == "outsider"])[0]
+    env.kill_agent()
+    ext.send_signal(signal.SIGUSR1)  # its work done, it detaches and lives on
+    out = os.path.join(env.root, "outsider.out")
+    wait_until("the task to leave its hub", lambda: "detached" in open(out).read())
+    env.start_agent()
+    t = env.wait_state(t["id"], ("finished", "lost"))
+    assert t["state"] == "finished" and "detached from hub j:0 while the agent was down" in \
+        t["message"], t
+    assert ext.poll() is None
