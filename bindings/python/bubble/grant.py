@@ -2,7 +2,8 @@
 
 Host grants are reachable from Python as memoryviews. A view of a task's grant is released by the
 binding as soon as the mapping may go (the task's next wait_start, ack_pause, ack_revoke, grant
-or detach, or the end of the step it came with), so touching it afterwards raises ValueError
+or detach, or the end of the step, or of the SideTask method, it was taken in), so touching it
+afterwards raises ValueError
 instead of faulting; slices and arrays made from it are not tracked and must be dropped by then.
 """
 from __future__ import annotations
@@ -130,8 +131,8 @@ class ViewScope:
     def view(self, address: int, size: int) -> memoryview:
         if self._closed:
             raise ValueError("this grant mapping may be gone (the task called wait_start, "
-                             "ack_pause, ack_revoke, grant or detach since, or its step "
-                             "returned): take the grant again")
+                             "ack_pause, ack_revoke, grant or detach since, or the step or "
+                             "SideTask method it was taken in returned): take the grant again")
         mv = _host_view(address, size)
         self._views.append(mv)
         return mv

@@ -223,6 +223,10 @@ class Task:
                 gate.in_body = False
                 raised.append(exc)
                 return -1
+            finally:
+                # Between two callbacks the runtime may unmap a revoked grant: views taken with
+                # grant() in this one go with it, as a step's own grant view does.
+                self._unmapping()
 
         def call(fn) -> int:
             fn()

@@ -202,3 +202,46 @@ def test_a_device_grant_has_no_host_view():
                          offset=0, address=1 << 40, deadline_ns=None)
     with pytest.raises(TypeError, match="device memory"):
         g.memory()
+
+
+class TakesItsGrant(bubble.SideTask):
+    """Takes its grant through Task.grant() in a step and keeps the view, as a task might."""
+
+    def __init__(self) -> None:
+        self.task: bubble.Task | None = None
+        self.view: memoryview | None = None
+        self.later: str | None = None  # what touching that view in a later step did
+
+    def step(self, info: bubble.StepInfo) -> bool:
+        if self.view is None:
+            g = self.task.grant()
+            if g is not None and g.memory is not None:
+                self.view = g.memory
+                self.view[0] = 7
+        elif self.later is None:
+            try:
+                self.view[0]
+                self.later = "read"
+            except ValueError:
+                self.later = "ValueError"
+        return False
+
+
+def test_a_grant_view_taken_in_a_side_task_method_ends_with_it(job):
+    """Between two steps the runtime may unmap a revoked grant: a view taken through
+    Task.grant() in a step goes with that step, as the step's own grant view does, so keeping
+    it raises ValueError rather than faulting on memory that may be gone."""
+    side = TakesItsGrant()
+    with bubble.Trainer(job, 0) as trainer:
+        trainer.lend(LENT)
+
+        def go():
+            with bubble.Task(job, 0, "takes-grant", mem_need=GRANT) as task:
+                side.task = task
+                return task.run(side)
+        runner = Background(go)
+        task = only_task(trainer)
+        assert bubble_until(trainer, lambda: side.later is not None)
+        assert side.later == "ValueError"
+        trainer.stop_task(task)
+        assert runner.join_result() is bubble.Outcome.STOPPED
