@@ -7,6 +7,7 @@ import ctypes
 import enum
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -114,6 +115,38 @@ class _SigintGate:
     def __exit__(self, *exc: object) -> None:
         if self._old is not None:
             signal.signal(signal.SIGINT, self._old)
+
+
+class _LostCallbackErrors:
+    """Exceptions raised at the entry of one of run()'s callbacks, before any try in it: by a
+    signal handler (Python runs one where it next runs bytecode, here a callback's first line)
+    such as a SIGTERM handler that calls sys.exit. ctypes cannot let an exception leave a
+    callback: it hands it to sys.unraisablehook and the callback returns 0. While run() is in C,
+    this hook takes those of its own callbacks, raised on its thread, into `sink`, so they end
+    the run like any other exception (finish() runs, and run() re-raises it); anything else goes
+    on to the hook that was there before."""
+
+    def __init__(self, callbacks: tuple, sink: list[BaseException]) -> None:
+        self._callbacks = callbacks
+        self._sink = sink
+        self._thread = threading.get_ident()
+        self._old = None
+
+    def _hook(self, unraisable) -> None:
+        if (unraisable.exc_value is not None and threading.get_ident() == self._thread
+                and any(unraisable.object is c for c in self._callbacks)):
+            self._sink.append(unraisable.exc_value)
+            return
+        self._old(unraisable)
+
+    def __enter__(self) -> "_LostCallbackErrors":
+        self._old = sys.unraisablehook
+        sys.unraisablehook = self._hook
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if sys.unraisablehook == self._hook:
+            sys.unraisablehook = self._old
 
 
 def _unknown_none(value: int) -> int | None:
@@ -261,21 +294,31 @@ class Task:
                 status = Status(status)
             guard(call, lambda: side_task.finish(status), always=True)
 
+        def init(_user) -> int:
+            return guard(call, side_task.init)
+
+        def pause(_user) -> int:
+            return guard(call, side_task.pause)
+
+        def resume(_user) -> int:
+            return guard(call, side_task.resume)
+
         # The CFUNCTYPE objects must outlive bb_task_run: they are held in locals until it returns.
         cbs = _lib.TaskCallbacks()
         lib.bb_task_callbacks_init_sized(ctypes.byref(cbs), ctypes.sizeof(cbs))
-        cbs.init = _lib.INIT_FN(lambda _u: guard(call, side_task.init))
+        cbs.init = _lib.INIT_FN(init)
         cbs.step = _lib.STEP_FN(step)
-        cbs.pause = _lib.INIT_FN(lambda _u: guard(call, side_task.pause))
-        cbs.resume = _lib.INIT_FN(lambda _u: guard(call, side_task.resume))
+        cbs.pause = _lib.INIT_FN(pause)
+        cbs.resume = _lib.INIT_FN(resume)
         cbs.finish = _lib.FINISH_FN(finish)
+        lost = _LostCallbackErrors((init, step, pause, resume, finish, idle), raised)
         handle: ctypes.c_void_p | None = None  # for step(): the handle the run is on
 
         def run(h: ctypes.c_void_p) -> int:
             nonlocal handle
             handle = h
             self._unmapping()
-            with gate:
+            with gate, lost:
                 # An idle call is a trip into Python (and for the GIL) every 100 ms: made only
                 # when something listens, the SIGINT gate or a SideTask's own idle().
                 if gate.active or own_idle:

@@ -117,3 +117,53 @@ def test_idle_runs_while_waiting_ends_the_run_and_the_sigint_handler_comes_back(
             assert task.run(side) is bubble.Outcome.FINISHED  # on the main thread
     assert side.calls == 3
     assert signal.getsignal(signal.SIGINT) is before
+
+
+TERM_CHILD = r'''
+import signal, sys, bubble
+job = sys.argv[1]
+
+def on_term(signum, frame):
+    sys.exit(5)
+
+signal.signal(signal.SIGTERM, on_term)
+task = bubble.Task(job, 0, "sigterm", wake_mode=bubble.WakeMode.SLEEP)
+
+class Waits(bubble.SideTask):
+    def init(self):
+        print("WAITING", flush=True)
+    def step(self, info):
+        print("STEP", flush=True)
+    def idle(self):
+        return False
+    def finish(self, status):
+        print("FINISH", getattr(status, "name", status), flush=True)
+
+task.run(Waits())
+print("RETURNED", flush=True)
+'''
+
+
+def test_an_exception_from_a_signal_handler_ends_the_run(job):
+    """A SIGTERM handler that calls sys.exit runs at the entry of the run's next callback,
+    where ctypes could only print the SystemExit: it ends the run instead, after finish(), and
+    run() raises it."""
+    with bubble.Trainer(job, 0) as trainer:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        proc = subprocess.Popen([sys.executable, "-c", TERM_CHILD, job], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        try:
+            lines: list[str] = []
+            read_until(proc, lines, "WAITING", 20)
+            assert eventually(lambda: any(t.name == "sigterm" for t in trainer.tasks()))
+            proc.send_signal(signal.SIGTERM)
+            read_until(proc, lines, "FINISH E_CALLBACK", 20)
+            assert proc.wait(timeout=20) == 5
+            assert "RETURNED" not in lines
+            assert b"Exception ignored" not in proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.stdout.close()
+            proc.stderr.close()
