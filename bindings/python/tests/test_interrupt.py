@@ -4,12 +4,14 @@ runs bytecode again, so a wait that stays in C for good (or a callback that swal
 exception, as ctypes does) would leave the task deaf to it."""
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
 import subprocess
 import sys
 import time
+from typing import Iterator
 
 import pytest
 
@@ -63,6 +65,22 @@ def read_until(proc: subprocess.Popen, seen: list[str], word: str, timeout: floa
     return seen
 
 
+@contextlib.contextmanager
+def child(script: str, *args: str) -> Iterator[subprocess.Popen]:
+    """A Python child running `script` with this binding, killed and reaped whatever happens."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
+
+
 def asleep(pid: int) -> bool:
     """Whether the process's main thread is asleep in the kernel (state S in /proc)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -71,31 +89,21 @@ def asleep(pid: int) -> bool:
 
 @pytest.mark.parametrize("style", ["wait_start", "run"])
 def test_ctrl_c_interrupts_a_task_waiting_for_a_bubble(job, style):
-    with bubble.Trainer(job, 0) as trainer:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-        proc = subprocess.Popen([sys.executable, "-c", CHILD, job, style], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
-            lines: list[str] = []
-            read_until(proc, lines, "WAITING", 20)
-            assert eventually(lambda: any(t.name == "ctrl-c" for t in trainer.tasks()))
-            # Inside the wait (no bubble comes, so it never ends) once the child sleeps in the
-            # kernel: a task waiting in SLEEP mode spins a few microseconds, then waits on a futex.
-            assert eventually(lambda: asleep(proc.pid), timeout=20.0)
-            proc.send_signal(signal.SIGINT)
-            read_until(proc, lines, "INTERRUPTED", 10)
-            assert proc.wait(timeout=10) != 0
-            assert "RETURNED" not in lines
-            if style == "run":
-                # finish ran before run() re-raised, and the run counts as failed.
-                assert "FINISH E_CALLBACK" in lines
-            assert b"KeyboardInterrupt" in proc.stderr.read()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            proc.stdout.close()
-            proc.stderr.close()
+    with bubble.Trainer(job, 0) as trainer, child(CHILD, job, style) as proc:
+        lines: list[str] = []
+        read_until(proc, lines, "WAITING", 20)
+        assert eventually(lambda: any(t.name == "ctrl-c" for t in trainer.tasks()))
+        # Inside the wait (no bubble comes, so it never ends) once the child sleeps in the
+        # kernel: a task waiting in SLEEP mode spins a few microseconds, then waits on a futex.
+        assert eventually(lambda: asleep(proc.pid), timeout=20.0)
+        proc.send_signal(signal.SIGINT)
+        read_until(proc, lines, "INTERRUPTED", 10)
+        assert proc.wait(timeout=10) != 0
+        assert "RETURNED" not in lines
+        if style == "run":
+            # finish ran before run() re-raised, and the run counts as failed.
+            assert "FINISH E_CALLBACK" in lines
+        assert b"KeyboardInterrupt" in proc.stderr.read()
 
 
 def test_idle_runs_while_waiting_ends_the_run_and_the_sigint_handler_comes_back(job):
@@ -148,22 +156,12 @@ def test_an_exception_from_a_signal_handler_ends_the_run(job):
     """A SIGTERM handler that calls sys.exit runs at the entry of the run's next callback,
     where ctypes could only print the SystemExit: it ends the run instead, after finish(), and
     run() raises it."""
-    with bubble.Trainer(job, 0) as trainer:
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
-        proc = subprocess.Popen([sys.executable, "-c", TERM_CHILD, job], env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        try:
-            lines: list[str] = []
-            read_until(proc, lines, "WAITING", 20)
-            assert eventually(lambda: any(t.name == "sigterm" for t in trainer.tasks()))
-            proc.send_signal(signal.SIGTERM)
-            read_until(proc, lines, "FINISH E_CALLBACK", 20)
-            assert proc.wait(timeout=20) == 5
-            assert "RETURNED" not in lines
-            assert b"Exception ignored" not in proc.stderr.read()
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            proc.stdout.close()
-            proc.stderr.close()
+    with bubble.Trainer(job, 0) as trainer, child(TERM_CHILD, job) as proc:
+        lines: list[str] = []
+        read_until(proc, lines, "WAITING", 20)
+        assert eventually(lambda: any(t.name == "sigterm" for t in trainer.tasks()))
+        proc.send_signal(signal.SIGTERM)
+        read_until(proc, lines, "FINISH E_CALLBACK", 20)
+        assert proc.wait(timeout=20) == 5
+        assert "RETURNED" not in lines
+        assert b"Exception ignored" not in proc.stderr.read()
