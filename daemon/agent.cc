@@ -62,7 +62,10 @@ std::string Agent::start(uv_loop_t* loop) {
   if (!e.empty()) return e;
   prune_timer_ = new_timer(loop_, this);
   log_timer_ = new_timer(loop_, this);
-  readopt_tasks();
+  // An agent that went on with part of its records would launch none of the rest, and delete
+  // their logs as orphans.
+  e = readopt_tasks();
+  if (!e.empty()) return e;
   e = start_metrics();
   if (!e.empty()) return e;
   e = start_control();

@@ -153,7 +153,8 @@ class Agent {
   int64_t match_task(Hub* hub, const core::TaskSnapshot& t);
 
   // tasks.cc
-  void readopt_tasks();
+  // Loads the records and re-adopts live tasks; "" or why the records cannot be read.
+  std::string readopt_tasks();
   void settle_dead_tasks();
   std::string launch(TaskRow* row, Hub* hub);
   void watch_pidfd(TaskRow* row);

@@ -388,7 +388,9 @@ void Agent::enforce_hub(Hub* hub, uint64_t now) {
       // The trainer validates every word a task writes and stops starting one that corrupted
       // its slot; the agent records that, once, and shows it on the task.
       st.marked_bad = true;
-      row.message = "marked bad: it corrupted its slot, and its trainer no longer starts it";
+      // A stopping task's message says why it stops (a cancel), which a restarted agent reads.
+      if (row.state != "stopping")
+        row.message = "marked bad: it corrupted its slot, and its trainer no longer starts it";
       record(&row, row.origin == "attached" ? row.pid : t.pid, hub->name, "bad",
              "the trainer found the task's slot corrupt (it wrote outside the protocol)");
       save(row);

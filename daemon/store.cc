@@ -204,12 +204,13 @@ bool Store::update_task(const TaskRow& row) {
   return true;
 }
 
-std::vector<TaskRow> Store::load_tasks() {
-  std::vector<TaskRow> out;
+bool Store::load_tasks(std::vector<TaskRow>* out) {
+  out->clear();
   std::string sql = "SELECT id, " + std::string(kTaskColumns) + " FROM tasks ORDER BY id";
   Stmt s{prepare(sql.c_str())};
-  if (!s.st) return out;
-  while (sqlite3_step(s.st) == SQLITE_ROW) {
+  if (!s.st) return false;
+  int rc;
+  while ((rc = sqlite3_step(s.st)) == SQLITE_ROW) {
     TaskRow r;
     int i = 0;
     r.id = sqlite3_column_int64(s.st, i++);
@@ -241,9 +242,9 @@ std::vector<TaskRow> Store::load_tasks() {
     r.steps = static_cast<uint64_t>(sqlite3_column_int64(s.st, i++));
     r.ns_in_bubbles = static_cast<uint64_t>(sqlite3_column_int64(s.st, i++));
     r.ns_outside = static_cast<uint64_t>(sqlite3_column_int64(s.st, i++));
-    out.push_back(std::move(r));
+    out->push_back(std::move(r));
   }
-  return out;
+  return rc == SQLITE_DONE || fail("read the tasks");
 }
 
 bool Store::insert_action(const ActionRow& a) {

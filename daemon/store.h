@@ -30,8 +30,8 @@ class Store {
   // Inserts a new task and sets row->id.
   bool insert_task(TaskRow* row);
   bool update_task(const TaskRow& row);
-  // Every task, oldest first.
-  std::vector<TaskRow> load_tasks();
+  // Every task, oldest first, into *out; false (last_error() says why) unless all were read.
+  bool load_tasks(std::vector<TaskRow>* out);
   bool insert_action(const ActionRow& action);
   // The newest `limit` actions (0 = all), oldest first, never more than `most`: the table is kept
   // whole, and a reply must stay well inside one control frame (a row is at most a few hundred

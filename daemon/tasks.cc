@@ -692,8 +692,13 @@ void Agent::start_pidfd_watch(LiveTask* raw, pid_t pid) {
   uv_poll_start(raw->pidfd_poll, UV_READABLE, TaskCallbacks::on_pidfd);
 }
 
-void Agent::readopt_tasks() {
-  for (TaskRow& row : store_.load_tasks()) tasks_[row.id] = row;
+std::string Agent::readopt_tasks() {
+  std::vector<TaskRow> rows;
+  if (!store_.load_tasks(&rows))
+    return "cannot read the task records in " + cfg_.state_dir + "/bubbled.db (" +
+           store_.last_error() + "): repair or move the database (sqlite3 .recover), or give "
+           "the agent another --state-dir";
+  for (TaskRow& row : rows) tasks_[row.id] = row;
   draining_ = store_.get_meta("draining") == "1";
   // A pid and a start time name a process within one boot only: after a restart of the node,
   // every task the rows call running is gone, and their pids may be anybody's now.
@@ -731,6 +736,7 @@ void Agent::readopt_tasks() {
     }
     pending_dead_.push_back(id);
   }
+  return "";
 }
 
 void Agent::settle_dead_tasks() {

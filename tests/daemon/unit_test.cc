@@ -271,7 +271,8 @@ TEST_CASE("store_keeps_tasks_and_actions_across_reopen") {
   {
     Store s;
     REQUIRE(s.open(path).empty());
-    auto rows = s.load_tasks();
+    std::vector<TaskRow> rows;
+    REQUIRE(s.load_tasks(&rows));
     REQUIRE(rows.size() == 1);
     CHECK(rows[0].id == id);
     CHECK(rows[0].spec.argv == std::vector<std::string>{"/bin/echo", "a b", ""});
@@ -301,6 +302,47 @@ TEST_CASE("store_keeps_tasks_and_actions_across_reopen") {
 
 // A database from an agent before ns_outside existed: opening it adds the column (0 for the old
 // rows), and a task's figure round-trips from then on.
+// Records the agent cannot read whole are an error, never a shorter list: an agent that went on
+// with part of them would launch none of the rest and delete their logs as orphans.
+TEST_CASE("store_says_when_it_cannot_read_every_task") {
+  char dir[] = "/tmp/bb-store-XXXXXX";
+  REQUIRE(mkdtemp(dir) != nullptr);
+  std::string path = std::string(dir) + "/db";
+  {
+    Store s;
+    REQUIRE(s.open(path).empty());
+    for (int k = 0; k < 64; ++k) {  // rows over many pages, the last ones at the file's end
+      TaskRow row;
+      row.spec.name = "t" + std::to_string(k);
+      row.spec.argv = {"/bin/echo", std::string(2000, char('a' + k % 26))};
+      REQUIRE(s.insert_task(&row));
+    }
+    std::vector<TaskRow> rows;
+    REQUIRE(s.load_tasks(&rows));
+    CHECK(rows.size() == 64);
+  }
+  {
+    // Overwrite the last page of the file (the newest rows) with garbage.
+    FILE* f = fopen(path.c_str(), "r+b");
+    REQUIRE(f != nullptr);
+    REQUIRE(fseek(f, 0, SEEK_END) == 0);
+    const long size = ftell(f);
+    REQUIRE(size > 8192);
+    REQUIRE(fseek(f, size - 4096, SEEK_SET) == 0);
+    std::string junk(4096, '\xff');
+    REQUIRE(fwrite(junk.data(), 1, junk.size(), f) == junk.size());
+    fclose(f);
+  }
+  {
+    Store s;
+    REQUIRE(s.open(path).empty());  // its first pages (the schema) are whole
+    std::vector<TaskRow> rows;
+    CHECK_FALSE(s.load_tasks(&rows));
+    CHECK(s.last_error().find("read the tasks") != std::string::npos);
+  }
+  REQUIRE(system((std::string("rm -rf ") + dir).c_str()) == 0);
+}
+
 TEST_CASE("store_adds_a_column_an_older_database_lacks") {
   char dir[] = "/tmp/bb-store-XXXXXX";
   REQUIRE(mkdtemp(dir) != nullptr);
@@ -326,7 +368,8 @@ TEST_CASE("store_adds_a_column_an_older_database_lacks") {
   {
     Store s;
     REQUIRE(s.open(path).empty());
-    auto rows = s.load_tasks();
+    std::vector<TaskRow> rows;
+    REQUIRE(s.load_tasks(&rows));
     REQUIRE(rows.size() == 1);
     CHECK(rows[0].spec.name == "old");
     CHECK(rows[0].steps == 7);
@@ -342,7 +385,8 @@ TEST_CASE("store_adds_a_column_an_older_database_lacks") {
   {
     Store s;  // opened again: the column is there, nothing is added twice
     REQUIRE(s.open(path).empty());
-    auto rows = s.load_tasks();
+    std::vector<TaskRow> rows;
+    REQUIRE(s.load_tasks(&rows));
     REQUIRE(rows.size() == 2);
     CHECK(rows[1].spec.name == "new");
     CHECK(rows[1].ns_outside == 100);
@@ -374,7 +418,8 @@ TEST_CASE("store_deletes_tasks_with_their_actions_trims_actions_and_counts_what_
     // Tasks 0 and 1 go with their actions; of the four actions left only the newest three stay.
     REQUIRE(s.delete_tasks({ids[0], ids[1]}, 3));
     CHECK(s.pruned_tasks() == 2);
-    auto rows = s.load_tasks();
+    std::vector<TaskRow> rows;
+    REQUIRE(s.load_tasks(&rows));
     REQUIRE(rows.size() == 2);
     CHECK(rows[0].id == ids[2]);
     CHECK(rows[1].id == ids[3]);
@@ -385,7 +430,9 @@ TEST_CASE("store_deletes_tasks_with_their_actions_trims_actions_and_counts_what_
     // Fewer actions than the bound: none trimmed; an id not there deletes and counts nothing.
     REQUIRE(s.delete_tasks({ids[0]}, 100));
     CHECK(s.load_actions(0).size() == 3);
-    CHECK(s.load_tasks().size() == 2);
+    std::vector<TaskRow> two;
+    REQUIRE(s.load_tasks(&two));
+    CHECK(two.size() == 2);
   }
   {
     Store s;  // all of it is on disk, and a new task never gets a deleted one's id
@@ -520,7 +567,8 @@ TEST_CASE("store_syncs_submissions_but_not_the_frequent_records") {
   {
     Store s;
     REQUIRE(s.open(path).empty());
-    auto rows = s.load_tasks();
+    std::vector<TaskRow> rows;
+    REQUIRE(s.load_tasks(&rows));
     REQUIRE(rows.size() == 2);
     CHECK(rows[1].origin == "attached");
     CHECK(rows[0].violations == 99);
