@@ -156,7 +156,9 @@ class Agent {
   // Loads the records and re-adopts live tasks; "" or why the records cannot be read.
   std::string readopt_tasks();
   void settle_dead_tasks();
-  std::string launch(TaskRow* row, Hub* hub);
+  // Launches the task on hub; "" or why not, with *passing set when trying again later may
+  // work (out of descriptors or memory for a moment).
+  std::string launch(TaskRow* row, Hub* hub, bool* passing);
   void watch_pidfd(TaskRow* row);
   void start_pidfd_watch(LiveTask* lt, pid_t pid);
   void terminate(TaskRow* row, const std::string& why);
@@ -207,6 +209,7 @@ class Agent {
   Store store_;
   int lock_fd_ = -1;
   bool draining_ = false;
+  std::set<std::string> drained_hubs_;  // `drain --hub`: kept in meta across restarts
   bool closing_ = false;
   uint16_t metrics_port_ = 0;
 
@@ -224,6 +227,7 @@ class Agent {
   uv_timer_t* retry_timer_ = nullptr;
   uv_timer_t* prune_timer_ = nullptr;
   uv_timer_t* log_timer_ = nullptr;
+  uv_timer_t* relaunch_timer_ = nullptr;  // placement again after a passing launch failure
   uint32_t actions_since_trim_ = 0;
   // Process groups of launched tasks that ended less than a minute ago and whose rows were
   // deleted: adoptable() must still know them (pgid -> ended_at, Unix ms).

@@ -135,7 +135,7 @@ void Agent::try_open_hub(const std::string& job, uint32_t rank) {
   }
   Hub* hub = it->second.get();
   // A new trainer under an old name starts from zero: its counters and slots are its own.
-  bool draining = hub->draining;
+  bool draining = hub->draining || drained_hubs_.count(name);
   *hub = Hub();
   hub->draining = draining;
   hub->name = name;

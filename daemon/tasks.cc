@@ -40,10 +40,13 @@ struct TaskCallbacks {
   }
   static void on_prune_timer(uv_timer_t* t) { static_cast<Agent*>(t->data)->prune_history(); }
   static void on_log_timer(uv_timer_t* t) { static_cast<Agent*>(t->data)->bound_logs(); }
+  static void on_relaunch_timer(uv_timer_t* t) { static_cast<Agent*>(t->data)->schedule(); }
 };
 
 // How often the logs of live tasks are checked against --log-max-bytes.
 constexpr uint64_t kLogBoundIntervalMs = 1000;
+// How soon a task whose launch failed for a passing reason (descriptors short) is placed again.
+constexpr uint64_t kRelaunchDelayMs = 1000;
 
 LiveTask* Agent::live(int64_t id) {
   auto it = live_.find(id);
@@ -281,7 +284,18 @@ void Agent::schedule() {
       continue;
     }
     Hub* hub = hubs[static_cast<size_t>(pr.hub)];
-    std::string err = launch(row, hub);
+    bool passing = false;
+    std::string err = launch(row, hub, &passing);
+    if (!err.empty() && passing) {
+      // Out of descriptors or memory for a moment: the task stays queued, placed again soon.
+      const std::string why = "queued: " + err + " (tried again in a second)";
+      if (row->message != why)  // once, not at every try
+        agent_log("task #%lld not launched yet: %s", static_cast<long long>(row->id), err.c_str());
+      row->message = why;
+      if (relaunch_timer_ && !uv_is_active(reinterpret_cast<uv_handle_t*>(relaunch_timer_)))
+        uv_timer_start(relaunch_timer_, TaskCallbacks::on_relaunch_timer, kRelaunchDelayMs, 0);
+      continue;
+    }
     if (!err.empty()) {
       row->exit_code = 127;
       finish_row(row, "failed", err);
@@ -294,7 +308,11 @@ void Agent::schedule() {
   }
 }
 
-std::string Agent::launch(TaskRow* row, Hub* hub) {
+std::string Agent::launch(TaskRow* row, Hub* hub, bool* passing) {
+  // Failures that may be gone in a moment: descriptors or memory short, fork refused.
+  auto passing_errno = [](int e) {
+    return e == EMFILE || e == ENFILE || e == ENOMEM || e == EAGAIN;
+  };
   if (row->attempts >= cfg_.max_attempts) {
     return "launched " + std::to_string(row->attempts) + " times without finishing (limit " +
            std::to_string(cfg_.max_attempts) + ")";
@@ -309,6 +327,7 @@ std::string Agent::launch(TaskRow* row, Hub* hub) {
     if (devnull >= 0) close(devnull);
   };
   if (out < 0 || err < 0 || devnull < 0) {
+    *passing = passing_errno(errno);
     std::string e = "cannot open the task's log files in " + logs + ": " + strerror(errno);
     close_fds();
     return e;
@@ -389,10 +408,12 @@ std::string Agent::launch(TaskRow* row, Hub* hub) {
   int rc = uv_spawn(loop_, lt->proc, &opts);
   close_fds();
   if (rc < 0) {
+    *passing = passing_errno(-rc);
     close_and_delete(lt->proc);
     lt->proc = nullptr;
+    const bool cwd_may_be_why = rc == UV_ENOENT || rc == UV_EACCES || rc == UV_ENOTDIR;
     return std::string("cannot start the task: ") + uv_strerror(rc) +
-           (row->spec.cwd.empty() ? "" : " (check --cwd " + row->spec.cwd + ")");
+           (row->spec.cwd.empty() || !cwd_may_be_why ? "" : " (check --cwd " + row->spec.cwd + ")");
   }
   row->pid = lt->proc->pid;
   ProcStat ps;
@@ -620,6 +641,15 @@ std::string Agent::drain(const std::string& hub_name, bool undo, std::string* do
   }
   Hub* hub = it->second.get();
   hub->draining = !undo;
+  // Kept across restarts like the agent's own drain: an upgrade must not put tasks back on a
+  // hub the operator took out of service.
+  if (undo)
+    drained_hubs_.erase(hub_name);
+  else
+    drained_hubs_.insert(hub_name);
+  std::string list;
+  for (const std::string& h : drained_hubs_) list += (list.empty() ? "" : "\n") + h;
+  store_.set_meta("drained_hubs", list);
   if (undo) {
     *done = "hub " + hub_name + " takes tasks again";
     schedule();
@@ -700,6 +730,15 @@ std::string Agent::readopt_tasks() {
            "the agent another --state-dir";
   for (TaskRow& row : rows) tasks_[row.id] = row;
   draining_ = store_.get_meta("draining") == "1";
+  {
+    const std::string list = store_.get_meta("drained_hubs");
+    size_t from = 0;
+    while (from < list.size()) {
+      const size_t end = std::min(list.find('\n', from), list.size());
+      if (end > from) drained_hubs_.insert(list.substr(from, end - from));
+      from = end + 1;
+    }
+  }
   // A pid and a start time name a process within one boot only: after a restart of the node,
   // every task the rows call running is gone, and their pids may be anybody's now.
   const std::string boot = boot_id(), last_boot = store_.get_meta("boot_id");

@@ -2,6 +2,7 @@
 and timelines; errors that name the fix."""
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -75,6 +76,26 @@ def test_task_started_outside_the_agent_is_adopted_and_shown(env):
     ext.wait(timeout=10)
     t = env.wait_state(t["id"], ("finished", "failed", "lost"))
     assert "detached" in t["message"]
+
+
+def test_a_launch_short_of_descriptors_is_tried_again_not_failed(env):
+    """Running out of descriptors (or memory) for a moment is no reason to fail a task for good:
+    it stays queued and is launched once they are back."""
+    env.trainer("j", 0)
+    env.start_agent()
+    wait_until("the hub's first bubbles", lambda: (h := env.hub("j:0")) and h["bubbles"] > 0)
+    pid = env.agent.pid
+    used = len(os.listdir(f"/proc/{pid}/fd"))
+    _, hard = resource.prlimit(pid, resource.RLIMIT_NOFILE)
+    # The submission's own connection takes one, so the launch made while it is answered (two
+    # logs, /dev/null and the pipe a spawn reports through: five) finds four left and fails;
+    # the next try, with the connection gone, finds five.
+    resource.prlimit(pid, resource.RLIMIT_NOFILE, (used + 5, hard))
+    tid = env.submit(TASK_GOOD, "5")
+    t = env.wait_state(tid, ("finished", "failed", "killed", "lost"))
+    assert t["state"] == "finished" and t["attempts"] == 1, t
+    said = [line for line in env.log_lines() if f"task #{tid} not launched yet" in line]
+    assert len(said) == 1 and "too many open files" in said[0].lower(), env.log_tail()
 
 
 def test_cancelling_again_never_puts_off_the_kill(env):

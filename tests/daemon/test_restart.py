@@ -223,3 +223,22 @@ def test_a_task_that_left_a_live_hub_while_the_agent_was_down_is_ended(env):
     assert t["state"] == "finished" and "detached from hub j:0 while the agent was down" in \
         t["message"], t
     assert ext.poll() is None
+
+
+def test_a_drained_hub_stays_drained_across_a_restart(env):
+    """An operator took a hub out of service: an agent restarted (an upgrade, say) must not put
+    tasks back on it; undrain is remembered the same way."""
+    env.trainer("j", 0)
+    env.start_agent()
+    wait_until("the hub", lambda: env.hub("j:0") is not None)
+    env.ctl("drain", "--hub", "j:0")
+    env.kill_agent()
+    env.start_agent()
+    assert wait_until("the hub seen again", lambda: env.hub("j:0"))["draining"]
+    tid = env.submit(TASK_GOOD, "5")
+    assert env.task(tid)["state"] == "queued"  # its only hub is draining
+    env.ctl("undrain", "--hub", "j:0")
+    assert env.wait_state(tid, ("finished", "failed"))["state"] == "finished"
+    env.kill_agent(signal.SIGTERM)
+    env.start_agent()
+    assert not wait_until("the hub seen again", lambda: env.hub("j:0"))["draining"]
