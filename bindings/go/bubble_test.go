@@ -269,6 +269,56 @@ func TestStepDoneFinishes(t *testing.T) {
 	}
 }
 
+// closesItself closes its own task from a step, as a task shutting down might.
+type closesItself struct {
+	task   *Task
+	steps  int
+	closed error
+}
+
+func (c *closesItself) Step(StepInfo) (StepResult, error) {
+	c.steps++
+	if c.steps == 1 {
+		c.closed = c.task.Close()
+	}
+	if c.steps == 3 {
+		return Done, nil
+	}
+	return Continue, nil
+}
+
+func TestCloseFromASideTaskMethodIsDoneAsRunReturns(t *testing.T) {
+	tr, job := openTrainer(t)
+	c := &closesItself{}
+	done := make(chan runResult, 1)
+	go func() {
+		task, err := Attach(job, 0, "closer", nil)
+		if err != nil {
+			done <- runResult{err: err}
+			return
+		}
+		c.task = task
+		o, err := task.Run(c)
+		// Closed once Run returned: the handle is gone, and a second Close does nothing.
+		if _, herr := task.handle(); herr == nil {
+			err = fmt.Errorf("the task is still attached after Run returned")
+		}
+		if cerr := task.Close(); cerr != nil {
+			err = cerr
+		}
+		done <- runResult{o, err}
+	}()
+	eventually(t, "attach", func() bool { return taskCount(t, tr) == 1 })
+	tr.Begin(200*time.Millisecond, BubbleOther, MemUnknown)
+	r := <-done
+	tr.End()
+	// The run went on after the Close (the runtime still used the handle): it finished.
+	if r.err != nil || r.outcome != Finished || c.steps != 3 || c.closed != nil {
+		t.Fatalf("run = %v, %v after %d steps (close said %v)", r.outcome, r.err, c.steps, c.closed)
+	}
+	eventually(t, "detach", func() bool { return taskCount(t, tr) == 0 })
+}
+
 type idler struct{ idles int }
 
 func (i *idler) Step(StepInfo) (StepResult, error) { return Continue, nil }

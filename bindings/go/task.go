@@ -117,8 +117,10 @@ type Finisher interface{ Finish(err error) }
 
 // Task is a side task's attachment to one hub. Use it from one goroutine at a time.
 type Task struct {
-	h     C.bb_task_h
-	known *TaskGrant // the last grant looked up, for its backend
+	h             C.bb_task_h
+	known         *TaskGrant // the last grant looked up, for its backend
+	running       bool       // inside Run
+	closeAfterRun bool       // Close from a SideTask method, done as Run returns
 }
 
 // Attach joins the hub of (jobID, rank) under name. errors.Is(err, ErrNotFound) when no
@@ -172,9 +174,14 @@ func (t *Task) handle() (C.bb_task_h, error) {
 	return t.h, nil
 }
 
-// Close acks any pending pause and releases the slot. Calling it again does nothing.
+// Close acks any pending pause and releases the slot. Calling it again does nothing. From a
+// SideTask method inside Run it is done as Run returns: the run still uses the handle.
 func (t *Task) Close() error {
 	if t == nil || t.h == nil {
+		return nil
+	}
+	if t.running {
+		t.closeAfterRun = true
 		return nil
 	}
 	h := t.h
@@ -208,8 +215,14 @@ func (t *Task) Run(task SideTask) (Outcome, error) {
 	if _, ok := task.(Idler); ok {
 		idle = 1
 	}
+	t.running = true
 	code := C.bubble_go_run(h, C.uintptr_t(handle), idle)
 	failure := lastError(code)
+	t.running = false
+	if t.closeAfterRun {
+		t.closeAfterRun = false
+		_ = t.Close()
+	}
 	runtime.UnlockOSThread()
 	runtime.KeepAlive(t)
 	if st.panic != nil {

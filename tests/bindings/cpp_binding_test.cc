@@ -229,6 +229,44 @@ TEST_CASE("iterative: step() returning done finishes the run") {
   CHECK(ct.finished_with == bubble::status::OK);
 }
 
+// A task that detaches itself from a step, as one shutting down might: the run still uses the
+// handle, so the detach is done as run() returns.
+struct detaching_task : bubble::side_task {
+  bubble::task* self = nullptr;
+  int steps = 0;
+  bubble::step_result step(const bubble::step_info&) override {
+    std::this_thread::sleep_for(1ms);
+    if (++steps == 1) self->detach();
+    return steps == 3 ? bubble::step_result::done : bubble::step_result::more;
+  }
+};
+
+TEST_CASE("iterative: detach() from a side_task method is done as run() returns") {
+  auto job = unique_job();
+  bubble::trainer t(job, 0);
+  detaching_task dt;
+  bool detached_after = false;
+  auto run = std::async(std::launch::async, [&] {
+    bubble::task k(job, 0, "detacher");
+    dt.self = &k;
+    const bubble::outcome o = k.run(dt);
+    try {
+      (void)k.native_handle();
+    } catch (const bubble::error& e) {
+      detached_after = e.code() == bubble::status::E_STATE;  // closed
+    }
+    return o;
+  });
+  REQUIRE(eventually([&] { return t.tasks().size() == 1; }));
+  t.begin(200ms);
+  REQUIRE(run.wait_for(20s) == std::future_status::ready);
+  t.end();
+  CHECK(run.get() == bubble::outcome::finished);  // the run went on after the detach
+  CHECK(dt.steps == 3);
+  CHECK(detached_after);
+  CHECK(eventually([&] { return t.tasks().empty(); }));
+}
+
 TEST_CASE("iterative: idle() runs while the task waits, and done from it finishes the run") {
   struct idler : bubble::side_task {
     std::atomic<int> idles{0};

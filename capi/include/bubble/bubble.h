@@ -339,10 +339,11 @@ BB_API void bb_task_options_init_sized(bb_task_options_t *opts, size_t size);
 /* Attach to the hub of (job_id, rank) under a name (1..BB_NAME_MAX printable characters).
  * opts may be NULL. Fails with BB_E_NOT_FOUND when no trainer serves that hub, BB_E_FULL when
  * its slot table is full (or it holds 64 connections that have no slot), BB_E_VERSION when the
- * trainer's libbubble speaks another layout, BB_E_PERMISSION when the trainer cannot watch the calling process (it must be the process that
- * connects, alive, and visible in the trainer's pid namespace; BB_E_UNSUPPORTED on a kernel
- * without pidfd_open), BB_E_TRAINER_GONE when the trainer closed the connection during the
- * attach, BB_E_TIMEOUT when it did not answer within 5 s. */
+ * trainer's libbubble speaks another layout, BB_E_PERMISSION when the trainer cannot watch the
+ * calling process (it must be the process that connects, alive, and visible in the trainer's
+ * pid namespace; BB_E_UNSUPPORTED on a kernel without pidfd_open), BB_E_TRAINER_GONE when the
+ * trainer closed the connection during the attach, BB_E_TIMEOUT when it did not answer within
+ * 5 s. */
 BB_API bb_status bb_task_attach(const char *job_id, uint32_t rank, const char *name,
                                 const bb_task_options_t *opts, bb_task_h *out);
 /* Acks any pending pause, releases the slot and frees the handle. NULL is accepted. */

@@ -567,8 +567,14 @@ class task {
   // If the trainer is revoking the grant: unmaps it and acks. Stop all use of it first.
   void ack_revoke() { detail::check(bb_task_ack_revoke(h_.get())); }
 
-  // Acks any pending pause and releases the slot now (the destructor does it silently).
-  void detach() { h_.close(); }
+  // Acks any pending pause and releases the slot now (the destructor does it silently). From a
+  // side_task method inside run() it is done as run() returns: the run still uses the handle.
+  void detach() {
+    if (running_)
+      detach_after_run_ = true;
+    else
+      h_.close();
+  }
   bb_task_h native_handle() const { return h_.get(); }
 
  private:
@@ -673,6 +679,19 @@ class task {
     cbs.resume = &B::resume;
     cbs.finish = &B::finish;
     if constexpr (B::requires_idle) cbs.idle = &B::idle;  // without it the runtime just waits
+    // A detach() asked for by a method is done on the way out, after the outcome (and any
+    // error sentence) was taken.
+    struct run_scope {
+      task& k;
+      ~run_scope() {
+        k.running_ = false;
+        if (k.detach_after_run_) {
+          k.detach_after_run_ = false;
+          k.h_.close();
+        }
+      }
+    } scope{*this};
+    running_ = true;
     bb_status s = bb_task_run(h_.get(), &cbs);
     if (b.failure) std::rethrow_exception(b.failure);
     switch (s) {
@@ -685,6 +704,8 @@ class task {
 
   using handle = detail::unique_handle<bb_task_h, bb_task_detach>;
   handle h_;
+  bool running_ = false;           // inside run()
+  bool detach_after_run_ = false;  // detach() from a side_task method, done as run() returns
 };
 
 }  // namespace bubble
