@@ -27,6 +27,9 @@ class SharedHandle:
         self._closed = closed
         self._users: dict[int, int] = {}  # thread id -> its calls in flight (nested: a handler)
         self._pending: dict[int, tuple[Any, Callable[[Any], None]]] = {}  # closed inside one
+        # A close interrupted (Ctrl-C) while other threads' calls were in: the last to return
+        # frees the handle.
+        self._orphan: tuple[Any, Callable[[Any], None]] | None = None
         # An RLock: a signal handler's close() may run while this thread holds it.
         self._mu = threading.RLock()
         self._returned = threading.Condition(self._mu)  # once closed, as calls return
@@ -69,11 +72,26 @@ class SharedHandle:
         with self._mu:
             self._returned.notify_all()
             pending = None if base else self._pending.pop(me, None)
+            orphan = None
+            if self._orphan is not None and not self._users:
+                orphan, self._orphan = self._orphan, None
         if pending is not None:
             self._release(*pending)
+        if orphan is not None:
+            orphan[1](orphan[0])
 
     def _release(self, h: Any, free: Callable[[Any], None]) -> None:
         # This thread has no call in flight here: the calls left are other threads'.
-        with self._mu:
-            self._returned.wait_for(lambda: not self._users)
+        try:
+            with self._mu:
+                self._returned.wait_for(lambda: not self._users)
+        except BaseException:
+            # Interrupted (a KeyboardInterrupt in the wait): the handle must still be freed, by
+            # the last call to return, or here if none is left.
+            with self._mu:
+                if self._users:
+                    self._orphan = (h, free)
+                    raise
+            free(h)
+            raise
         free(h)
