@@ -203,6 +203,10 @@ class Agent {
   std::set<void*> http_conns_;  // open metrics connections (metrics.cc)
   uv_loop_t* loop_ = nullptr;
   std::set<void*> clients_;  // open control connections (control.cc)
+  // Connections with complete requests left for a later loop turn: one client's pipelined
+  // requests are answered a batch per turn, between everything else the loop does (control.cc).
+  std::set<void*> backlog_;
+  uv_idle_t* backlog_idle_ = nullptr;
 
  private:
   AgentConfig cfg_;

@@ -53,7 +53,9 @@ constexpr size_t kMaxArgs = 256;
 constexpr size_t kMaxEnv = 256;
 constexpr size_t kMaxEntryBytes = 4 << 10;
 constexpr size_t kMaxSpecBytes = 64 << 10;
-constexpr size_t kMaxMpsLimitBytes = 256;  // "2G" or "0=2G,1=4G,...": a few per device
+constexpr size_t kMaxMpsLimitBytes = 256;
+// Requests of one connection answered per loop turn (see serve_a_turn).
+constexpr size_t kFramesPerTurn = 16;  // "2G" or "0=2G,1=4G,...": a few per device
 
 struct Conn {
   uv_pipe_t pipe;
@@ -81,6 +83,7 @@ void close_conn(Conn* c) {
   if (c->closing) return;
   c->closing = true;
   c->agent->clients_.erase(c);
+  c->agent->backlog_.erase(c);
   if (c->sink) return;  // owned by its ControlFeed
   if (c->timer) {
     uv_timer_stop(c->timer);
@@ -604,9 +607,14 @@ void track_owed(Conn* c, bool progressed) {
   }
 }
 
-// Answers every complete frame buffered on c; false once c is closing.
-bool process_frames(Conn* c) {
-  for (;;) {
+// Answers the complete frames buffered on c, at most `most` of them (*more: it stopped there with
+// more perhaps left); false once c is closing.
+bool process_frames(Conn* c, size_t most = SIZE_MAX, bool* more = nullptr) {
+  for (size_t n = 0;; ++n) {
+    if (n == most) {
+      if (more) *more = true;
+      return true;
+    }
     std::unique_ptr<capnp::MessageReader> reader;
     std::string error;
     FrameReader::Result r = c->frames.next(&reader, &error);
@@ -634,6 +642,37 @@ bool process_frames(Conn* c) {
   }
 }
 
+void on_read(uv_stream_t* s, ssize_t nread, const uv_buf_t* buf);
+void on_backlog(uv_idle_t* idle);
+
+void alloc_read(uv_handle_t*, size_t suggested, uv_buf_t* buf) {
+  *buf = uv_buf_init(new char[suggested], static_cast<unsigned>(suggested));
+}
+
+// Answers a batch of c's buffered requests. With more left, c is not read meanwhile (what it
+// sends waits in its socket) and the rest comes in a later loop turn, after whatever else is
+// due: one client's pipelined requests (each may scan every task and hub) never hold the loop
+// for their whole run. True when c stays open and has nothing left over.
+bool serve_a_turn(Conn* c) {
+  const uint64_t served = c->frames_served;
+  bool more = false;
+  if (!process_frames(c, kFramesPerTurn, &more)) return false;
+  track_owed(c, c->frames_served != served);
+  Agent* a = c->agent;
+  if (more) {
+    uv_read_stop(reinterpret_cast<uv_stream_t*>(&c->pipe));
+    a->backlog_.insert(c);
+    if (!a->backlog_idle_) {
+      a->backlog_idle_ = new uv_idle_t;
+      uv_idle_init(c->pipe.loop, a->backlog_idle_);
+      a->backlog_idle_->data = a;
+    }
+    uv_idle_start(a->backlog_idle_, on_backlog);
+  }
+  bound_held_bytes(a);
+  return !more && !c->closing;
+}
+
 void on_read(uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) {
   auto* c = static_cast<Conn*>(s->data);
   if (nread > 0) c->frames.feed(buf->base, static_cast<size_t>(nread));
@@ -651,10 +690,20 @@ void on_read(uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) {
     }
     return;
   }
-  const uint64_t served = c->frames_served;
-  if (!process_frames(c)) return;
-  track_owed(c, c->frames_served != served);
-  bound_held_bytes(c->agent);
+  serve_a_turn(c);
+}
+
+void on_backlog(uv_idle_t* idle) {
+  auto* a = static_cast<Agent*>(idle->data);
+  std::vector<void*> turn(a->backlog_.begin(), a->backlog_.end());
+  a->backlog_.clear();
+  for (void* p : turn) {
+    auto* c = static_cast<Conn*>(p);
+    if (c->closing) continue;  // close_conn took it out of the backlog; not freed before uv_close
+    if (serve_a_turn(c))
+      uv_read_start(reinterpret_cast<uv_stream_t*>(&c->pipe), alloc_read, on_read);
+  }
+  if (a->backlog_.empty()) uv_idle_stop(idle);
 }
 
 void on_connection(uv_stream_t* server, int status) {
@@ -717,12 +766,7 @@ void on_connection(uv_stream_t* server, int status) {
   }
   c->admitted = true;
   track_owed(c, false);  // its hello is owed from now
-  uv_read_start(
-      reinterpret_cast<uv_stream_t*>(&c->pipe),
-      [](uv_handle_t*, size_t suggested, uv_buf_t* buf) {
-        *buf = uv_buf_init(new char[suggested], static_cast<unsigned>(suggested));
-      },
-      on_read);
+  uv_read_start(reinterpret_cast<uv_stream_t*>(&c->pipe), alloc_read, on_read);
 }
 
 }  // namespace
@@ -815,6 +859,11 @@ std::string Agent::start_control() {
 void close_all_clients(Agent* agent) {
   std::vector<void*> all(agent->clients_.begin(), agent->clients_.end());
   for (void* c : all) close_conn(static_cast<Conn*>(c));
+  if (agent->backlog_idle_) {
+    uv_idle_stop(agent->backlog_idle_);
+    close_and_delete(agent->backlog_idle_);
+    agent->backlog_idle_ = nullptr;
+  }
 }
 
 }  // namespace bb::daemon

@@ -34,7 +34,7 @@ class FrameReader {
   // (valid until the next call); on kError, *error says what is wrong with the stream.
   Result next(std::unique_ptr<capnp::MessageReader>* reader, std::string* error);
   // Bytes buffered that do not yet form a frame (a truncated frame at EOF).
-  size_t pending() const { return buf_.size(); }
+  size_t pending() const { return buf_.size() - start_; }
   // Memory held for the stream (buffer capacity and the current frame's copy).
   size_t held_bytes() const { return buf_.capacity() + body_.size() * sizeof(capnp::word); }
 
@@ -42,6 +42,7 @@ class FrameReader {
   static constexpr size_t kKeepBytes = 64 * 1024;  // buffer kept between frames, at most
   uint32_t max_;
   std::vector<uint8_t> buf_;
+  size_t start_ = 0;             // where in buf_ the next frame begins (the rest was cut)
   kj::Array<capnp::word> body_;  // aligned copy of the current frame's body
 };
 

@@ -195,3 +195,21 @@ def test_a_list_reply_fits_a_frame_even_with_records_from_before_the_bounds(agen
     trimmed = [t for t in rows.values() if "left out" in t["message"]]
     assert len(trimmed) == 7 and all(t["argv"] == ["/bin/true"] for t in trimmed), \
         [(t["id"], len(t["argv"])) for t in rows.values()]
+
+
+def test_pipelined_requests_are_all_answered_in_order_a_batch_per_loop_turn(agent):
+    """A client may send many requests before reading a reply. The agent answers a batch of them
+    per loop turn, reading nothing more from that client until it is through (so one client's
+    run of requests cannot hold the loop, nor grow without bound), and answers every one, in
+    order, also what the client sent after."""
+    s = session(agent)
+    frames = b"".join(encode(f"(id = {100 + k}, status = void)") for k in range(100))
+    s.sendall(frames)  # 100 requests in one write: several batches
+    ids = []
+    for _ in range(100):
+        text = decode(read_frame(s))
+        ids.append(int(text.split("id = ", 1)[1].split(",", 1)[0]))
+    assert ids == list(range(100, 200))
+    # Reading resumed: a request sent now is answered too.
+    assert "status = (" in request(s, "(id = 7, status = void)")
+    s.close()
