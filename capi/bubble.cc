@@ -37,6 +37,15 @@ void init_sized(T* out, size_t size, const T& defaults) {
   out->size = uint32_t(size);
 }
 
+// Each option struct's size in the first release: every caller's struct is at least this big.
+// (The trainer options have not grown since: when they do, this becomes the offset of the
+// first new field.)
+constexpr size_t kFirstTrainerOptions = sizeof(bb_trainer_options_t);
+constexpr size_t kFirstSchedule = offsetof(bb_schedule_t, bubbles);
+constexpr size_t kFirstTaskOptions = offsetof(bb_task_options_t, wake_lead_ns);
+constexpr size_t kFirstCallbacks = offsetof(bb_task_callbacks_t, idle);
+constexpr size_t kFirstLendOptions = offsetof(bb_lend_options_t, clear_grants);
+
 // Copies a caller's size-prefixed struct over our defaults: the smaller of the two sizes wins,
 // so an older caller gets defaults for fields it does not know and a newer caller's extra
 // fields are ignored. `min_size` is the size of the first released version.
@@ -116,7 +125,7 @@ bb_status bb_trainer_open(const char* job_id, uint32_t rank, const bb_trainer_op
   *out = nullptr;
   bb_trainer_options_t o;
   bb_status st = read_options(opts, bb_trainer_options_t BB_TRAINER_OPTIONS_INIT,
-                              sizeof(bb_trainer_options_t), "bb_trainer_options_t", &o);
+                              kFirstTrainerOptions, "bb_trainer_options_t", &o);
   if (st != BB_OK) return st;
   BB_GUARD({
     std::unique_ptr<bb::core::Trainer> t;
@@ -159,7 +168,7 @@ bb_status bb_trainer_set_schedule(bb_trainer_h trainer, const bb_schedule_t* sch
   bb_schedule_t sc;
   // Callers built before `bubbles` existed pass the shorter struct: they get the default.
   bb_status st = read_options(schedule, bb_schedule_t BB_SCHEDULE_INIT,
-                              offsetof(bb_schedule_t, bubbles), "bb_schedule_t", &sc);
+                              kFirstSchedule, "bb_schedule_t", &sc);
   if (st != BB_OK) return st;
   BB_GUARD(return impl(trainer)->set_schedule(sc));
 }
@@ -226,7 +235,7 @@ bb_status bb_task_attach(const char* job_id, uint32_t rank, const char* name,
   *out = nullptr;
   bb_task_options_t o;
   bb_status st = read_options(opts, bb_task_options_t BB_TASK_OPTIONS_INIT,
-                              offsetof(bb_task_options_t, wake_lead_ns), "bb_task_options_t", &o);
+                              kFirstTaskOptions, "bb_task_options_t", &o);
   if (st != BB_OK) return st;
   BB_GUARD({
     std::unique_ptr<bb::core::Task> t;
@@ -277,7 +286,7 @@ bb_status bb_task_run(bb_task_h task, const bb_task_callbacks_t* callbacks) {
   bb_task_callbacks_t cbs;
   // A struct from before idle ends where idle begins: it has none.
   bb_status st = read_options(callbacks, bb_task_callbacks_t BB_TASK_CALLBACKS_INIT,
-                              offsetof(bb_task_callbacks_t, idle), "bb_task_callbacks_t", &cbs);
+                              kFirstCallbacks, "bb_task_callbacks_t", &cbs);
   if (st != BB_OK) return st;
   BB_GUARD(return impl(task)->run(cbs));
 }
@@ -288,6 +297,31 @@ void bb_lend_options_init_sized(bb_lend_options_t* opts, size_t size) {
   init_sized(opts, size, bb_lend_options_t BB_LEND_OPTIONS_INIT);
 }
 
+// The initialisers programs built against the first headers call (the header now makes each
+// name a macro over its _sized form). They assigned the library's own struct, which overruns a
+// caller's smaller one once the struct grows: now they write the first release's size, which
+// every caller's struct has, and the fields past it take their defaults.
+#undef bb_trainer_options_init
+#undef bb_schedule_init
+#undef bb_task_options_init
+#undef bb_task_callbacks_init
+#undef bb_lend_options_init
+BB_API void bb_trainer_options_init(bb_trainer_options_t* opts) {
+  init_sized(opts, kFirstTrainerOptions, bb_trainer_options_t BB_TRAINER_OPTIONS_INIT);
+}
+BB_API void bb_schedule_init(bb_schedule_t* schedule) {
+  init_sized(schedule, kFirstSchedule, bb_schedule_t BB_SCHEDULE_INIT);
+}
+BB_API void bb_task_options_init(bb_task_options_t* opts) {
+  init_sized(opts, kFirstTaskOptions, bb_task_options_t BB_TASK_OPTIONS_INIT);
+}
+BB_API void bb_task_callbacks_init(bb_task_callbacks_t* cbs) {
+  init_sized(cbs, kFirstCallbacks, bb_task_callbacks_t BB_TASK_CALLBACKS_INIT);
+}
+BB_API void bb_lend_options_init(bb_lend_options_t* opts) {
+  init_sized(opts, kFirstLendOptions, bb_lend_options_t BB_LEND_OPTIONS_INIT);
+}
+
 bb_status bb_trainer_lend(bb_trainer_h trainer, const bb_lend_options_t* opts) {
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
   if (!opts)
@@ -296,7 +330,7 @@ bb_status bb_trainer_lend(bb_trainer_h trainer, const bb_lend_options_t* opts) {
   bb_lend_options_t o;
   // Callers built before `clear_grants` existed pass the shorter struct: they get the default.
   bb_status st = read_options(opts, bb_lend_options_t BB_LEND_OPTIONS_INIT,
-                              offsetof(bb_lend_options_t, clear_grants), "bb_lend_options_t", &o);
+                              kFirstLendOptions, "bb_lend_options_t", &o);
   if (st != BB_OK) return st;
   bb::core::LendOptions lo;
   switch (o.backend) {

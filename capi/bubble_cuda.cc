@@ -29,6 +29,13 @@ BB_API void bb_stream_timing_options_init_sized(bb_stream_timing_options_t* opts
   opts->size = uint32_t(size);
 }
 
+// The initialiser programs built against the first header call (the header now makes the name
+// a macro over the _sized form): that struct has not grown, so its size is the first's.
+#undef bb_stream_timing_options_init
+BB_API void bb_stream_timing_options_init(bb_stream_timing_options_t* opts) {
+  bb_stream_timing_options_init_sized(opts, sizeof *opts);
+}
+
 BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_timing_options_t* opts,
                                        bb_stream_timing_h* out) {
   if (!out) return fail(BB_E_INVALID, "out is NULL: pass the address of a bb_stream_timing_h");

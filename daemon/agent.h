@@ -165,6 +165,8 @@ class Agent {
   // Kills what is left of a submitted task's process group once its wrapper is gone.
   void kill_orphans(const TaskRow& row, bool wrapper_died);
   void signal_task(const TaskRow& row, int sig);
+  // Ends as lost the rows of tasks that attached by themselves to `hub`, unless it is open.
+  void end_attached_rows(const std::string& hub, const std::string& why);
   // Continues a task that enforcement stopped, records why, and saves it as running.
   void continue_stopped(TaskRow* row, const std::string& hub, const std::string& why);
   void record(const TaskRow* row, pid_t pid, const std::string& hub, const std::string& action,

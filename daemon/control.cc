@@ -53,9 +53,9 @@ constexpr size_t kMaxArgs = 256;
 constexpr size_t kMaxEnv = 256;
 constexpr size_t kMaxEntryBytes = 4 << 10;
 constexpr size_t kMaxSpecBytes = 64 << 10;
-constexpr size_t kMaxMpsLimitBytes = 256;
+constexpr size_t kMaxMpsLimitBytes = 256;  // "2G" or "0=2G,1=4G,...": a few per device
 // Requests of one connection answered per loop turn (see serve_a_turn).
-constexpr size_t kFramesPerTurn = 16;  // "2G" or "0=2G,1=4G,...": a few per device
+constexpr size_t kFramesPerTurn = 16;
 
 struct Conn {
   uv_pipe_t pipe;
@@ -64,6 +64,9 @@ struct Conn {
   uv_timer_t* timer = nullptr;
   bool hello = false;
   bool closing = false;
+  // A reply that closes the connection once written is on its way: nothing more is read,
+  // answered or sent.
+  bool close_pending = false;
   uid_t uid = 0;
   pid_t pid = 0;
   bool admitted = false;  // passed the credential and connection-count checks
@@ -129,7 +132,7 @@ void bound_held_bytes(Agent* a) {
 }
 
 void send(Conn* c, capnp::MessageBuilder& msg, bool close_after) {
-  if (c->closing) return;
+  if (c->closing || c->close_pending) return;
   std::vector<uint8_t> bytes;
   std::string too_large;
   if (!encode_frame(msg, bb::proto::MAX_FRAME_BYTES, &bytes, &too_large)) {
@@ -155,7 +158,11 @@ void send(Conn* c, capnp::MessageBuilder& msg, bool close_after) {
   w->close_after = close_after;
   uv_buf_t buf = uv_buf_init(reinterpret_cast<char*>(w->bytes.data()),
                              static_cast<unsigned>(w->bytes.size()));
-  if (close_after) uv_read_stop(reinterpret_cast<uv_stream_t*>(&c->pipe));
+  if (close_after) {
+    uv_read_stop(reinterpret_cast<uv_stream_t*>(&c->pipe));
+    c->close_pending = true;
+    c->agent->backlog_.erase(c);
+  }
   int rc = uv_write(&w->req, reinterpret_cast<uv_stream_t*>(&c->pipe), &buf, 1,
                     [](uv_write_t* req, int) {
                       auto* w = reinterpret_cast<WriteReq*>(req);
@@ -574,8 +581,9 @@ void on_owed_timeout(uv_timer_t* t) {
   auto* c = static_cast<Conn*>(t->data);
   c->agent->count_protocol_error();
   // A client that does not read what it was sent would never let the error reply through, and
-  // the connection would stay: close it without one.
-  if (uv_stream_get_write_queue_size(reinterpret_cast<uv_stream_t*>(&c->pipe)) > 0) {
+  // the connection would stay: close it without one (also when a closing reply is on its way).
+  if (c->close_pending ||
+      uv_stream_get_write_queue_size(reinterpret_cast<uv_stream_t*>(&c->pipe)) > 0) {
     close_conn(c);
     return;
   }
@@ -638,7 +646,7 @@ bool process_frames(Conn* c, size_t most = SIZE_MAX, bool* more = nullptr) {
                  true);
       return false;
     }
-    if (c->closing) return false;
+    if (c->closing || c->close_pending) return false;
   }
 }
 

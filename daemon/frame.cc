@@ -42,14 +42,19 @@ FrameReader::Result FrameReader::next(std::unique_ptr<capnp::MessageReader>* rea
   // The last frame's reader is done with (valid until this call), and an idle connection should
   // not hold the memory of the largest frame it ever sent (up to max_ twice over).
   body_ = nullptr;
-  if (start_ == buf_.size()) {
-    buf_.clear();
-    start_ = 0;
-  }
-  if (buf_.capacity() > kKeepBytes && buf_.size() <= kKeepBytes) buf_.shrink_to_fit();
+  // Waiting for more: what was cut goes now (once per wait, not once per frame), so the memory
+  // of a large frame is not kept for the few bytes of the next one behind it.
+  auto need_more = [&] {
+    if (start_ > 0) {
+      buf_.erase(buf_.begin(), buf_.begin() + static_cast<ptrdiff_t>(start_));
+      start_ = 0;
+    }
+    if (buf_.capacity() > kKeepBytes && buf_.size() <= kKeepBytes) buf_.shrink_to_fit();
+    return Result::kNeedMore;
+  };
   const uint8_t* at = buf_.data() + start_;
   const size_t have = buf_.size() - start_;
-  if (have < 4) return Result::kNeedMore;
+  if (have < 4) return need_more();
   uint32_t len = 0;
   for (int i = 0; i < 4; ++i) len |= static_cast<uint32_t>(at[i]) << (8 * i);
   if (len == 0 || len % 8 != 0) {
@@ -62,7 +67,7 @@ FrameReader::Result FrameReader::next(std::unique_ptr<capnp::MessageReader>* rea
              std::to_string(max_) + " bytes";
     return Result::kError;
   }
-  if (have < 4 + static_cast<size_t>(len)) return Result::kNeedMore;
+  if (have < 4 + static_cast<size_t>(len)) return need_more();
   body_ = kj::heapArray<capnp::word>(len / 8);
   memcpy(body_.begin(), at + 4, len);
   start_ += 4 + static_cast<size_t>(len);

@@ -4,6 +4,7 @@
 #include "daemon/agent.h"
 #include "daemon/placement.h"
 
+#include <dirent.h>
 #include <signal.h>
 
 #include <algorithm>
@@ -59,9 +60,14 @@ struct HubCallbacks {
     if (!agent->retry_hubs_.empty() && agent->retry_round_ < kMaxOpenRetries) {
       uv_timer_start(t, on_retry, kRetryDelaysMs[agent->retry_round_++], 0);
     } else {
-      for (const auto& name : agent->retry_hubs_)
+      for (const auto& name : agent->retry_hubs_) {
         agent_log("hub %s: no trainer answers on its socket; tried again when the runtime "
                   "directory changes", name.c_str());
+        // A socket its trainer left when it died: the tasks that had attached to it by
+        // themselves (rows from before an agent restart) are not coming back through it.
+        agent->end_attached_rows(name, "its hub " + name + " does not answer (its trainer "
+                                       "is gone or hung)");
+      }
       agent->retry_hubs_.clear();
       agent->retry_round_ = 0;
     }
@@ -86,14 +92,26 @@ std::string Agent::start_hub_watch() {
   retry_timer_ = new_timer(loop_, this);
   scan_hubs();
   // Rows of tasks that attached by themselves to a hub that is gone now (its trainer closed it
-  // while the agent was down): no snapshot will ever show them again.
-  std::set<std::string> present;
-  for (const core::HubName& h : core::list_hubs(cfg_.runtime_dir))
-    present.insert(h.job + ":" + std::to_string(h.rank));
-  for (auto& [id, row] : tasks_)
-    if (row.origin == "attached" && !state_is_final(row.state) && !present.count(row.hub))
-      finish_row(&row, "lost", "its hub " + row.hub + " was gone when the agent came back");
+  // while the agent was down): no snapshot will ever show them again. (Only when the directory
+  // could be listed: an empty list for an error would end every such row.)
+  if (DIR* d = opendir(cfg_.runtime_dir.c_str())) {
+    closedir(d);
+    std::set<std::string> present;
+    for (const core::HubName& h : core::list_hubs(cfg_.runtime_dir))
+      present.insert(h.job + ":" + std::to_string(h.rank));
+    for (auto& [id, row] : tasks_)
+      if (row.origin == "attached" && !state_is_final(row.state) && !present.count(row.hub))
+        finish_row(&row, "lost", "its hub " + row.hub + " was gone when the agent came back");
+  }
   return "";
+}
+
+void Agent::end_attached_rows(const std::string& hub, const std::string& why) {
+  auto it = hubs_.find(hub);
+  if (it != hubs_.end() && it->second->alive) return;
+  for (auto& [id, row] : tasks_)
+    if (row.origin == "attached" && row.hub == hub && !state_is_final(row.state))
+      finish_row(&row, "lost", why);
 }
 
 void Agent::scan_hubs() {

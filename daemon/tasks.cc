@@ -635,21 +635,29 @@ std::string Agent::drain(const std::string& hub_name, bool undo, std::string* do
     schedule();
     return "";
   }
+  // Kept across restarts like the agent's own drain: an upgrade must not put tasks back on a
+  // hub the operator took out of service.
+  auto remember = [&] {
+    if (undo)
+      drained_hubs_.erase(hub_name);
+    else
+      drained_hubs_.insert(hub_name);
+    std::string list;
+    for (const std::string& h : drained_hubs_) list += (list.empty() ? "" : "\n") + h;
+    store_.set_meta("drained_hubs", list);
+  };
   auto it = hubs_.find(hub_name);
   if (it == hubs_.end()) {
+    if (undo && drained_hubs_.count(hub_name)) {  // drained before a restart, not back yet
+      remember();
+      *done = "hub " + hub_name + " takes tasks again when it comes back";
+      return "";
+    }
     return "no hub " + hub_name + ": see `bubblectl status` for the hubs the agent knows";
   }
   Hub* hub = it->second.get();
   hub->draining = !undo;
-  // Kept across restarts like the agent's own drain: an upgrade must not put tasks back on a
-  // hub the operator took out of service.
-  if (undo)
-    drained_hubs_.erase(hub_name);
-  else
-    drained_hubs_.insert(hub_name);
-  std::string list;
-  for (const std::string& h : drained_hubs_) list += (list.empty() ? "" : "\n") + h;
-  store_.set_meta("drained_hubs", list);
+  remember();
   if (undo) {
     *done = "hub " + hub_name + " takes tasks again";
     schedule();

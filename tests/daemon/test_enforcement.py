@@ -113,6 +113,5 @@ def test_an_agent_that_stops_continues_the_tasks_it_had_stopped(env):
     assert env.agent.returncode == 0
     assert proc_state(task) not in ("T", ""), proc_state(task)
     assert proc_state(wrapper) not in ("T", ""), proc_state(wrapper)
-    env.start_agent()
-    assert env.task(tid)["state"] == "running"
+    env.start_agent()  # (which may stop it again soon: it still does not pause)
     assert any("the agent is stopping" in a for a in _actions_of(env, tid))

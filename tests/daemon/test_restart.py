@@ -181,11 +181,9 @@ def test_rows_from_before_a_restart_of_the_node_are_ended_without_touching_their
         os.killpg(pid, signal.SIGKILL)  # the task the agent left alone
 
 
-def test_a_task_that_left_its_hub_while_the_agent_was_down_is_not_kept_running(env):
-    """A task that attached by itself is known by its hub's snapshots only. If it leaves while
-    the agent is down (here with its trainer, which closes its hub), the restarted agent sees
-    neither again: it ends the row instead of showing it running for good, although the
-    process lives on."""
+def _outsider_left_with_its_trainer(env, kill_trainer):
+    """A task that attached by itself, whose trainer ends while the agent is down: it leaves
+    its hub and lives on. Returns its row and process."""
     trainer = env.trainer("j", 0)
     env.start_agent()
     out = os.path.join(env.root, "outsider.out")
@@ -195,11 +193,33 @@ def test_a_task_that_left_its_hub_while_the_agent_was_down_is_not_kept_running(e
                    lambda: [t for t in env.tasks().values() if t["name"] == "outsider"])[0]
     assert t["state"] == "running"
     env.kill_agent()
-    trainer.terminate()
-    assert trainer.wait(timeout=30) == 0
+    if kill_trainer:
+        trainer.kill()  # its socket file stays behind
+        trainer.wait(timeout=30)
+    else:
+        trainer.terminate()
+        assert trainer.wait(timeout=30) == 0
     wait_until("the task to leave its hub", lambda: "detached" in open(out).read())
     assert ext.poll() is None  # it lives on, without a hub
     env.start_agent()
+    return t, ext
+
+
+def test_a_task_whose_trainer_died_while_the_agent_was_down_is_not_kept_running(env):
+    """The same, its trainer killed: the socket it left names a hub nobody answers on. Once the
+    agent gives up on it, the row ends."""
+    t, ext = _outsider_left_with_its_trainer(env, kill_trainer=True)
+    t = env.wait_state(t["id"], ("finished", "lost"))
+    assert "does not answer" in t["message"], t
+    assert ext.poll() is None
+
+
+def test_a_task_that_left_its_hub_while_the_agent_was_down_is_not_kept_running(env):
+    """A task that attached by itself is known by its hub's snapshots only. If it leaves while
+    the agent is down (here with its trainer, which closes its hub), the restarted agent sees
+    neither again: it ends the row instead of showing it running for good, although the
+    process lives on."""
+    t, ext = _outsider_left_with_its_trainer(env, kill_trainer=False)
     t = env.wait_state(t["id"], ("finished", "lost"))
     assert "was gone when the agent came back" in t["message"], t
     assert ext.poll() is None
@@ -228,7 +248,7 @@ def test_a_task_that_left_a_live_hub_while_the_agent_was_down_is_ended(env):
 def test_a_drained_hub_stays_drained_across_a_restart(env):
     """An operator took a hub out of service: an agent restarted (an upgrade, say) must not put
     tasks back on it; undrain is remembered the same way."""
-    env.trainer("j", 0)
+    trainer = env.trainer("j", 0)
     env.start_agent()
     wait_until("the hub", lambda: env.hub("j:0") is not None)
     env.ctl("drain", "--hub", "j:0")
@@ -242,3 +262,12 @@ def test_a_drained_hub_stays_drained_across_a_restart(env):
     env.kill_agent(signal.SIGTERM)
     env.start_agent()
     assert not wait_until("the hub seen again", lambda: env.hub("j:0"))["draining"]
+    # A drain remembered for a hub that is not back (its job ended) can still be undone.
+    env.ctl("drain", "--hub", "j:0")
+    env.kill_agent()
+    trainer.terminate()
+    assert trainer.wait(timeout=30) == 0
+    env.start_agent()
+    assert "when it comes back" in env.ctl("undrain", "--hub", "j:0").stdout
+    env.trainer("j", 0)
+    assert not wait_until("the hub back", lambda: env.hub("j:0"))["draining"]

@@ -210,6 +210,19 @@ TEST_CASE("a_reader_lets_go_of_a_large_frame_once_it_is_done_with") {
   // Idle after it: the next look for a frame gives the memory back.
   REQUIRE(fr.next(&r, &error) == FrameReader::Result::kNeedMore);
   CHECK(fr.held_bytes() <= 64 * 1024);
+  // Also when the next frame's first bytes came with it.
+  std::vector<uint8_t> two = bytes;
+  two.insert(two.end(), bytes.begin(), bytes.begin() + 10);
+  fr.feed(reinterpret_cast<const char*>(two.data()), two.size());
+  REQUIRE(fr.next(&r, &error) == FrameReader::Result::kFrame);
+  r.reset();
+  REQUIRE(fr.next(&r, &error) == FrameReader::Result::kNeedMore);
+  CHECK(fr.pending() == 10);
+  CHECK(fr.held_bytes() <= 64 * 1024);
+  // And the rest of that frame completes it.
+  fr.feed(reinterpret_cast<const char*>(bytes.data()) + 10, bytes.size() - 10);
+  REQUIRE(fr.next(&r, &error) == FrameReader::Result::kFrame);
+  CHECK(r->getRoot<bb::proto::Request>().getId() == 7);
 }
 
 TEST_CASE("frames_reject_bad_lengths_and_garbage") {

@@ -455,6 +455,11 @@ void check_init_sized(void (*init_sized)(T*, size_t), const T& defaults) {
 
 }  // namespace
 
+// The initialisers programs built against the first headers call, by their exported names
+// (the header now makes those names macros).
+extern "C" void first_task_options_init(bb_task_options_t*) __asm__("bb_task_options_init");
+extern "C" void first_lend_options_init(bb_lend_options_t*) __asm__("bb_lend_options_init");
+
 // A program built against another version's header passes its own struct size to the
 // library's init (the *_init macros do): the library never writes past it.
 TEST_CASE("option_inits_write_exactly_the_callers_size") {
@@ -465,6 +470,29 @@ TEST_CASE("option_inits_write_exactly_the_callers_size") {
   check_init_sized(bb_lend_options_init_sized, bb_lend_options_t BB_LEND_OPTIONS_INIT);
   check_init_sized(bb_stream_timing_options_init_sized,
                    bb_stream_timing_options_t BB_STREAM_TIMING_OPTIONS_INIT);
+  // A program built against the first header calls the old names: they write the first
+  // release's struct, which every caller has, and no more.
+  {
+    alignas(bb_task_options_t) unsigned char buf[sizeof(bb_task_options_t) + 16];
+    std::memset(buf, 0xab, sizeof buf);
+    auto* first = reinterpret_cast<bb_task_options_t*>(buf);
+    first_task_options_init(first);
+    const size_t first_size = offsetof(bb_task_options_t, wake_lead_ns);
+    CHECK(first->size == first_size);
+    CHECK(first->spin_ns == 20000);
+    bool untouched = true;
+    for (size_t k = first_size; k < sizeof buf; ++k) untouched &= buf[k] == 0xab;
+    CHECK(untouched);
+  }
+  {
+    alignas(bb_lend_options_t) unsigned char buf[sizeof(bb_lend_options_t) + 16];
+    std::memset(buf, 0xab, sizeof buf);
+    auto* first = reinterpret_cast<bb_lend_options_t*>(buf);
+    first_lend_options_init(first);
+    CHECK(first->size == offsetof(bb_lend_options_t, clear_grants));
+    CHECK(first->auto_grant == 1);
+    CHECK(buf[offsetof(bb_lend_options_t, clear_grants)] == 0xab);
+  }
   // The macro passes the caller's size.
   bb_task_options_t o;
   std::memset(&o, 0, sizeof o);

@@ -117,36 +117,68 @@ class _SigintGate:
             signal.signal(signal.SIGINT, self._old)
 
 
+# The runs in progress, by thread: what _lost_hook takes exceptions into (see below). One hook
+# for all of them, installed while any runs: runs on several threads at once come and go in any
+# order, and a hook each, chained, could not all be taken out again.
+_lost_mu = threading.Lock()
+_lost_runs: dict[int, list[tuple[tuple, list]]] = {}
+_lost_prev = None
+
+
+def _from_callback(unraisable, callbacks: tuple) -> bool:
+    if any(unraisable.object is c for c in callbacks):
+        return True
+    # Python 3.13 on names the callback in the message and passes no object.
+    msg = getattr(unraisable, "err_msg", None) or ""
+    return (unraisable.object is None and "ctypes callback" in msg
+            and any(repr(c) in msg for c in callbacks))
+
+
+def _lost_hook(unraisable) -> None:
+    for callbacks, sink in _lost_runs.get(threading.get_ident(), ()):
+        if unraisable.exc_value is not None and _from_callback(unraisable, callbacks):
+            sink.append(unraisable.exc_value)
+            return
+    (_lost_prev or sys.__unraisablehook__)(unraisable)
+
+
 class _LostCallbackErrors:
     """Exceptions raised at the entry of one of run()'s callbacks, before any try in it: by a
     signal handler (Python runs one where it next runs bytecode, here a callback's first line)
     such as a SIGTERM handler that calls sys.exit. ctypes cannot let an exception leave a
     callback: it hands it to sys.unraisablehook and the callback returns 0. While run() is in C,
-    this hook takes those of its own callbacks, raised on its thread, into `sink`, so they end
+    the hook takes those of its own callbacks, raised on its thread, into `sink`, so they end
     the run like any other exception (finish() runs, and run() re-raises it); anything else goes
     on to the hook that was there before."""
 
     def __init__(self, callbacks: tuple, sink: list[BaseException]) -> None:
-        self._callbacks = callbacks
-        self._sink = sink
+        self._entry = (callbacks, sink)
         self._thread = threading.get_ident()
-        self._old = None
-
-    def _hook(self, unraisable) -> None:
-        if (unraisable.exc_value is not None and threading.get_ident() == self._thread
-                and any(unraisable.object is c for c in self._callbacks)):
-            self._sink.append(unraisable.exc_value)
-            return
-        self._old(unraisable)
 
     def __enter__(self) -> "_LostCallbackErrors":
-        self._old = sys.unraisablehook
-        sys.unraisablehook = self._hook
+        global _lost_prev
+        with _lost_mu:
+            if not _lost_runs:
+                _lost_prev = sys.unraisablehook
+                sys.unraisablehook = _lost_hook
+            _lost_runs.setdefault(self._thread, []).append(self._entry)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if sys.unraisablehook == self._hook:
-            sys.unraisablehook = self._old
+        global _lost_prev
+        with _lost_mu:
+            mine = _lost_runs.get(self._thread, [])
+            for k, entry in enumerate(mine):
+                if entry is self._entry:  # this run's (another may hold equal lists)
+                    del mine[k]
+                    break
+            if not mine:
+                _lost_runs.pop(self._thread, None)
+            if not _lost_runs:
+                # Someone may have put their own hook in meanwhile: theirs stays.
+                if sys.unraisablehook is _lost_hook:
+                    sys.unraisablehook = _lost_prev
+                _lost_prev = None
 
 
 def _unknown_none(value: int) -> int | None:

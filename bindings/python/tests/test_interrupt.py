@@ -10,6 +10,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Iterator
 
@@ -165,3 +166,41 @@ def test_an_exception_from_a_signal_handler_ends_the_run(job):
         assert proc.wait(timeout=20) == 5
         assert "RETURNED" not in lines
         assert b"Exception ignored" not in proc.stderr.read()
+
+
+def test_runs_on_two_threads_leave_the_unraisable_hook_as_they_found_it(job):
+    """Each run() takes lost callback exceptions through sys.unraisablehook while it runs; runs
+    on two threads that end in the other order than they began leave the hook as it was."""
+    class Idles(bubble.SideTask):
+        def __init__(self, rounds: int, started: threading.Event) -> None:
+            self.rounds, self.started = rounds, started
+
+        def step(self, info):
+            raise AssertionError("no bubble was begun")
+
+        def idle(self):
+            self.started.set()
+            self.rounds -= 1
+            return self.rounds == 0
+
+    before = sys.unraisablehook
+    first_in, second_in = threading.Event(), threading.Event()
+    outcomes: list = []
+
+    def run(name: str, side: Idles) -> None:
+        with bubble.Task(job, 0, name) as task:
+            outcomes.append((name, task.run(side)))
+
+    with bubble.Trainer(job, 0):
+        first = threading.Thread(target=run, args=("first", Idles(3, first_in)))
+        first.start()
+        assert first_in.wait(20)
+        second = threading.Thread(target=run, args=("second", Idles(8, second_in)))
+        second.start()
+        assert second_in.wait(20)
+        first.join(20)
+        assert sys.unraisablehook is not before  # the second still runs
+        second.join(20)
+    assert [name for name, _ in outcomes] == ["first", "second"]
+    assert all(o is bubble.Outcome.FINISHED for _, o in outcomes)
+    assert sys.unraisablehook is before
