@@ -46,6 +46,7 @@ struct AgentConfig {
 };
 
 class Agent;
+struct HubOpen;
 
 // One live (or recently gone) hub.
 struct Hub {
@@ -67,7 +68,6 @@ struct Hub {
   uint64_t harvest_seen = 0;   // of snap.task_ns_in_bubbles, counted into harvested_ns
   std::map<uint64_t, EnforceState> enforce;   // hub task id -> escalation state
   std::map<uint64_t, int64_t> task_rows;      // hub task id -> agent task id
-  int open_failures = 0;
   uint64_t gone_ns = 0;  // when its trainer went away (mono_ns), 0 while alive
   // Its first snapshot since it was opened was reconciled: attached rows of this hub it did not
   // show had detached before (while the agent was down, or from an earlier trainer).
@@ -143,7 +143,16 @@ class Agent {
 
   // hubs.cc
   std::string start_hub_watch();
+  // Opens hub (job, rank) on libuv's thread pool (the open waits for its trainer's answer, and
+  // a stopped trainer gives none); open_done() takes the result on the loop.
   void try_open_hub(const std::string& job, uint32_t rank);
+  // The hubs listed now, opened in parallel before this returns (at start, before any client
+  // is served, so the first request already sees them).
+  void open_hubs_now(const std::vector<core::HubName>& hubs);
+  void open_done(HubOpen* o);
+  void open_failed(const std::string& name, const std::string& error);
+  void install_hub(const std::string& job, uint32_t rank, std::unique_ptr<core::HubObserver> obs);
+  void arm_open_retry();
   void refresh_hub(Hub* hub, uint64_t now);
   void reconcile_tasks(Hub* hub);
   void enforce_hub(Hub* hub, uint64_t now);
@@ -222,7 +231,15 @@ class Agent {
   std::map<int64_t, TaskRow> tasks_;
   std::map<int64_t, std::unique_ptr<LiveTask>> live_;
   std::map<std::string, std::unique_ptr<Hub>> hubs_;
-  std::set<std::string> retry_hubs_;
+  // Hubs whose open is under way on the thread pool.
+  std::set<std::string> opening_;
+  // Hubs whose open failed, waiting for their next try: the rounds made so far and when the
+  // next is due (uv_now ms; UINT64_MAX while a try is under way).
+  struct OpenRetry {
+    int round = 0;
+    uint64_t due_ms = 0;
+  };
+  std::map<std::string, OpenRetry> retry_hubs_;
   std::vector<int64_t> pending_dead_;
 
   uv_pipe_t* control_ = nullptr;
@@ -238,11 +255,9 @@ class Agent {
   // Process groups of launched tasks that ended less than a minute ago and whose rows were
   // deleted: adoptable() must still know them (pgid -> ended_at, Unix ms).
   std::map<pid_t, int64_t> recent_groups_;
-  int retry_round_ = 0;
   bool earlier_boot_ = false;           // the rows were written before the node restarted
   bool settling_earlier_boot_ = false;  // settle_dead_tasks is ending those rows
   std::string boot_to_record_;          // this boot's id, stored once the old rows are settled
-  bool in_retry_ = false;           // on_retry is running: it, not try_open_hub, arms the next round
   uint64_t last_placement_ns_ = 0;  // when refresh_all last looked for queued tasks
 };
 

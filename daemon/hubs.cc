@@ -8,6 +8,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <thread>
 
 namespace bb::daemon {
 
@@ -18,13 +19,31 @@ constexpr size_t kMaxEventsPerHub = 131072;
 // sees a new job id with every training run.
 constexpr size_t kMaxEventsPerGoneHub = 8192;
 constexpr size_t kMaxGoneHubs = 16;
-// How long the loop waits for a trainer to accept or answer (the observer's requests are
-// synchronous): a live trainer's service thread answers in microseconds, a stopped or hung one
-// never, and meanwhile the loop serves nobody.
+// How long an open waits for a trainer to accept and answer, and each later request on the
+// observer: a live trainer's service thread answers in microseconds, a stopped (a debugger's
+// breakpoint) or hung one never. Opens wait on the thread pool; the rare later requests (a
+// task's page, a stop) wait on the loop, once per hub until its trainer answers again (see
+// HubObserver::open).
 constexpr uint32_t kTrainerAnswerMs = 1000;
 constexpr int kMaxOpenRetries = 6;
 const uint64_t kRetryDelaysMs[kMaxOpenRetries] = {10, 30, 100, 300, 1000, 3000};
+// Opens at start run this many at a time, each on a thread of its own.
+constexpr size_t kStartOpenThreads = 16;
 }  // namespace
+
+// One open of a hub's observer, off the loop.
+struct HubOpen {
+  uv_work_t req{};
+  Agent* agent = nullptr;
+  std::string runtime_dir, job, name;
+  uint32_t rank = 0;
+  bool cancelled = false;
+  bb_status st = BB_OK;
+  std::unique_ptr<core::HubObserver> obs;
+  std::string error;
+
+  void run() { st = core::HubObserver::open(runtime_dir, job, rank, &obs, &error, kTrainerAnswerMs); }
+};
 
 struct HubCallbacks {
   static void on_dir_event(uv_fs_event_t* h, const char*, int, int status) {
@@ -48,29 +67,26 @@ struct HubCallbacks {
   }
   static void on_retry(uv_timer_t* t) {
     auto* agent = static_cast<Agent*>(t->data);
-    std::set<std::string> pending;
-    pending.swap(agent->retry_hubs_);
-    agent->in_retry_ = true;
-    for (const auto& name : pending) {
+    const uint64_t now = uv_now(agent->loop_);
+    std::vector<std::string> due;
+    for (auto& [name, r] : agent->retry_hubs_)
+      if (r.due_ms <= now) {
+        r.due_ms = UINT64_MAX;  // until this try's answer
+        due.push_back(name);
+      }
+    for (const auto& name : due) {
       std::string job;
       uint32_t rank;
       if (parse_hub_name(name, &job, &rank)) agent->try_open_hub(job, rank);
+      else agent->retry_hubs_.erase(name);
     }
-    agent->in_retry_ = false;
-    if (!agent->retry_hubs_.empty() && agent->retry_round_ < kMaxOpenRetries) {
-      uv_timer_start(t, on_retry, kRetryDelaysMs[agent->retry_round_++], 0);
-    } else {
-      for (const auto& name : agent->retry_hubs_) {
-        agent_log("hub %s: no trainer answers on its socket; tried again when the runtime "
-                  "directory changes", name.c_str());
-        // A socket its trainer left when it died: the tasks that had attached to it by
-        // themselves (rows from before an agent restart) are not coming back through it.
-        agent->end_attached_rows(name, "its hub " + name + " does not answer (its trainer "
-                                       "is gone or hung)");
-      }
-      agent->retry_hubs_.clear();
-      agent->retry_round_ = 0;
-    }
+    agent->arm_open_retry();
+  }
+  static void on_open_work(uv_work_t* w) { static_cast<HubOpen*>(w->data)->run(); }
+  static void on_open_done(uv_work_t* w, int status) {
+    std::unique_ptr<HubOpen> o(static_cast<HubOpen*>(w->data));
+    o->cancelled = status == UV_ECANCELED;
+    o->agent->open_done(o.get());
   }
   static void on_tick(uv_timer_t* t) {
     auto* agent = static_cast<Agent*>(t->data);
@@ -90,7 +106,8 @@ std::string Agent::start_hub_watch() {
   }
   tick_ = new_timer(loop_, this);
   retry_timer_ = new_timer(loop_, this);
-  scan_hubs();
+  open_hubs_now(core::list_hubs(cfg_.runtime_dir));
+  update_timers();
   // Rows of tasks that attached by themselves to a hub that is gone now (its trainer closed it
   // while the agent was down): no snapshot will ever show them again. (Only when the directory
   // could be listed: an empty list for an error would end every such row.)
@@ -126,28 +143,103 @@ void Agent::scan_hubs() {
   update_timers();
 }
 
+void Agent::open_hubs_now(const std::vector<core::HubName>& hubs) {
+  std::vector<std::unique_ptr<HubOpen>> opens;
+  for (const core::HubName& h : hubs) {
+    auto o = std::make_unique<HubOpen>();
+    o->agent = this;
+    o->runtime_dir = cfg_.runtime_dir;
+    o->job = h.job;
+    o->rank = h.rank;
+    o->name = h.job + ":" + std::to_string(h.rank);
+    opens.push_back(std::move(o));
+  }
+  // In parallel: trainers that do not answer cost the start one timeout, not one each.
+  for (size_t from = 0; from < opens.size(); from += kStartOpenThreads) {
+    std::vector<std::thread> threads;
+    const size_t to = std::min(opens.size(), from + kStartOpenThreads);
+    for (size_t k = from; k < to; ++k) threads.emplace_back([o = opens[k].get()] { o->run(); });
+    for (std::thread& t : threads) t.join();
+  }
+  for (auto& o : opens) open_done(o.get());
+}
+
 void Agent::try_open_hub(const std::string& job, uint32_t rank) {
+  if (closing_) return;
   std::string name = job + ":" + std::to_string(rank);
   auto it = hubs_.find(name);
   if (it != hubs_.end() && it->second->alive) return;
-  std::unique_ptr<core::HubObserver> obs;
-  std::string error;
-  bb_status st =
-      core::HubObserver::open(cfg_.runtime_dir, job, rank, &obs, &error, kTrainerAnswerMs);
-  if (st != BB_OK) {
-    // The socket may exist a moment before its trainer listens, or be left by a dead trainer
-    // (which the next trainer of that name replaces): retry a few times, then wait for the
-    // directory to change again.
-    if (cfg_.verbose) agent_log("hub %s not ready: %s", name.c_str(), error.c_str());
-    retry_hubs_.insert(name);
-    // Inside on_retry the timer is idle (libuv stops a one-shot timer before its callback):
-    // on_retry itself arms the next round, or the rounds would start over and never end.
-    if (retry_timer_ && !in_retry_ && !uv_is_active(reinterpret_cast<uv_handle_t*>(retry_timer_))) {
-      retry_round_ = 0;
-      uv_timer_start(retry_timer_, HubCallbacks::on_retry, kRetryDelaysMs[retry_round_++], 0);
-    }
+  if (opening_.count(name)) return;  // its answer is on the way
+  auto o = std::make_unique<HubOpen>();
+  o->agent = this;
+  o->runtime_dir = cfg_.runtime_dir;
+  o->job = job;
+  o->rank = rank;
+  o->name = name;
+  o->req.data = o.get();
+  const int rc = uv_queue_work(loop_, &o->req, HubCallbacks::on_open_work,
+                               HubCallbacks::on_open_done);
+  if (rc < 0) {
+    open_failed(name, std::string("cannot queue the open: ") + uv_strerror(rc));
     return;
   }
+  o.release();  // on_open_done frees it
+  opening_.insert(name);
+}
+
+void Agent::open_done(HubOpen* o) {
+  opening_.erase(o->name);
+  if (closing_ || o->cancelled) return;  // the observer, if any, closes with o
+  if (o->st != BB_OK) {
+    open_failed(o->name, o->error);
+    return;
+  }
+  install_hub(o->job, o->rank, std::move(o->obs));
+}
+
+void Agent::open_failed(const std::string& name, const std::string& error) {
+  // The socket may exist a moment before its trainer listens, or be left by a dead trainer
+  // (which the next trainer of that name replaces), or its trainer may be stopped: try again a
+  // few times, then wait for the directory to change again.
+  if (cfg_.verbose) agent_log("hub %s not ready: %s", name.c_str(), error.c_str());
+  auto it = hubs_.find(name);
+  if (it != hubs_.end() && it->second->alive) {  // a try made meanwhile got in
+    retry_hubs_.erase(name);
+    return;
+  }
+  OpenRetry& r = retry_hubs_[name];
+  if (r.round < kMaxOpenRetries) {
+    r.due_ms = uv_now(loop_) + kRetryDelaysMs[r.round++];
+    arm_open_retry();
+    return;
+  }
+  retry_hubs_.erase(name);
+  agent_log("hub %s: no trainer answers on its socket (%s); tried again when the runtime "
+            "directory changes", name.c_str(), error.c_str());
+  // A socket its trainer left when it died: the tasks that had attached to it by themselves
+  // (rows from before an agent restart) are not coming back through it.
+  end_attached_rows(name, "its hub " + name + " does not answer (its trainer is gone or hung)");
+}
+
+void Agent::arm_open_retry() {
+  if (!retry_timer_) return;
+  uint64_t next = UINT64_MAX;
+  for (const auto& [name, r] : retry_hubs_) next = std::min(next, r.due_ms);
+  if (next == UINT64_MAX) {
+    uv_timer_stop(retry_timer_);
+    return;
+  }
+  const uint64_t now = uv_now(loop_);
+  uv_timer_start(retry_timer_, HubCallbacks::on_retry, next > now ? next - now : 0, 0);
+}
+
+void Agent::install_hub(const std::string& job, uint32_t rank,
+                        std::unique_ptr<core::HubObserver> obs) {
+  std::string name = job + ":" + std::to_string(rank);
+  retry_hubs_.erase(name);
+  arm_open_retry();
+  auto it = hubs_.find(name);
+  if (it != hubs_.end() && it->second->alive) return;  // opened twice: keep the first
   if (it == hubs_.end()) {
     it = hubs_.emplace(name, std::make_unique<Hub>()).first;
   }

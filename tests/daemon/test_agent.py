@@ -385,6 +385,33 @@ def test_a_stale_hub_socket_is_tried_a_few_times_then_left_alone(env):
     assert env.agent.poll() is None and env.ctl_ok("status")
 
 
+def test_a_stopped_trainer_does_not_hold_up_the_agent(env):
+    """A trainer stopped before the agent opened its hub (at a debugger's breakpoint) accepts
+    connections but answers nobody, and each try to open its hub waits a second for an answer.
+    The agent waits for those off its loop: while it tries the hub again and again, every client
+    is answered at once (an agent that waited on its loop kept each one up to a second). Once
+    the trainer goes on, the hub is opened."""
+    trainer = env.trainer("j", 0)
+    os.kill(trainer.pid, signal.SIGSTOP)
+    try:
+        env.start_agent("--verbose")
+        assert env.hub("j:0") is None
+        # The tries go on for about ten seconds (one each 10 ms to 3 s after the last failed).
+        slowest = 0.0
+        for _ in range(20):
+            t0 = time.monotonic()
+            assert env.ctl_ok("status")
+            slowest = max(slowest, time.monotonic() - t0)
+            time.sleep(0.1)
+        tries = sum("hub j:0 not ready" in line for line in env.log_lines())
+        assert tries >= 2, f"the agent tried the stopped hub {tries} time(s) meanwhile"
+        assert slowest < 0.8, f"a status request took {slowest:.2f} s while a trainer was stopped"
+    finally:
+        os.kill(trainer.pid, signal.SIGCONT)
+    wait_until("the hub to be opened once its trainer goes on",
+               lambda: (h := env.hub("j:0")) and h["alive"])
+
+
 def test_hubs_whose_trainers_went_away_are_kept_only_up_to_a_bound(env):
     """Every training run may bring a new job id: the agent keeps the newest hubs whose trainers
     went away (listed, with their last events), not all of them for good."""
