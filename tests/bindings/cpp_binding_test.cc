@@ -10,6 +10,8 @@
 #include <cstdlib>
 #include <filesystem>
 #include <future>
+#include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <unistd.h>
@@ -158,6 +160,48 @@ TEST_CASE("a moved-from trainer refuses calls and the new owner keeps the hub") 
   b.close();
   // The hub is gone with its owner: the name can be opened again.
   bubble::trainer c(job, 0);
+}
+
+TEST_CASE("a scoped bubble follows its trainer when the trainer moves or goes") {
+  SUBCASE("moved inside the scope: the bubble ends on the trainer it moved to") {
+    std::optional<bubble::trainer> moved;
+    bubble::trainer a(unique_job(), 0);
+    {
+      auto b = a.bubble(50ms);
+      moved.emplace(std::move(a));
+    }
+    CHECK(moved->stats().bubbles == 1);
+  }
+  SUBCASE("assigned over inside the scope: the bubble of the trainer moved in stays open") {
+    bubble::trainer x(unique_job(), 0), y(unique_job(), 0);
+    y.begin(50ms);
+    {
+      auto b = x.bubble(50ms);
+      x = std::move(y);  // x's own hub closes, and its bubble with it
+    }
+    CHECK(x.stats().bubbles == 0);
+    x.end();
+    CHECK(x.stats().bubbles == 1);
+  }
+  SUBCASE("destroyed inside the scope: nothing is left to end") {
+    auto t = std::make_unique<bubble::trainer>(unique_job(), 0);
+    auto b = t->bubble(50ms);
+    t.reset();
+  }
+  SUBCASE("nested scopes both follow a move") {
+    std::optional<bubble::trainer> moved;
+    bubble::trainer a(unique_job(), 0);
+    {
+      auto outer = a.bubble(50ms);
+      {
+        auto inner = a.bubble(50ms);  // ends the outer's bubble and opens its own
+        moved.emplace(std::move(a));
+      }
+      CHECK(moved->stats().bubbles == 2);
+      moved->begin(50ms);
+    }
+    CHECK(moved->stats().bubbles == 3);  // the outer scope ended the bubble open at its end
+  }
 }
 
 TEST_CASE("imperative: wait_start, should_pause, ack_pause follow the trainer's bubble") {

@@ -301,23 +301,48 @@ class trainer {
   }
 
   // Marks a scope (typically a blocking receive) as a bubble; ends it even on exceptions.
+  // A bubble that ends with the scope. It follows its trainer: moved inside the scope, the
+  // bubble ends on the trainer it was moved to; closed or destroyed, there is none to end.
   class scoped_bubble {
    public:
     scoped_bubble(trainer& t, std::chrono::nanoseconds expected = {},
                   bubble_kind kind = bubble_kind::other)
-        : t_(t) {
-      t_.begin(expected, kind);
+        : t_(&t) {
+      t.begin(expected, kind);
+      outer_ = t.scope_;
+      t.scope_ = this;
     }
     scoped_bubble(const scoped_bubble&) = delete;
     scoped_bubble& operator=(const scoped_bubble&) = delete;
     // Never throws: a trainer closed inside the scope has no bubble left to end.
     ~scoped_bubble() {
-      if (t_.h_) (void)bb_bubble_end(t_.h_.get());
+      if (!t_) return;
+      if (t_->h_) (void)bb_bubble_end(t_->h_.get());
+      for (scoped_bubble** s = &t_->scope_; *s; s = &(*s)->outer_)
+        if (*s == this) {
+          *s = outer_;
+          break;
+        }
     }
 
    private:
-    trainer& t_;
+    friend class trainer;
+    trainer* t_;
+    scoped_bubble* outer_ = nullptr;  // the scope opened before this one on the same trainer
   };
+  trainer(trainer&& o) noexcept : h_(std::move(o.h_)), scope_(std::exchange(o.scope_, nullptr)) {
+    follow(this);
+  }
+  trainer& operator=(trainer&& o) noexcept {
+    if (this == &o) return *this;
+    follow(nullptr);  // this trainer's bubble ends with its handle, closed here
+    h_ = std::move(o.h_);
+    scope_ = std::exchange(o.scope_, nullptr);
+    follow(this);
+    return *this;
+  }
+  ~trainer() { follow(nullptr); }
+
   [[nodiscard]] scoped_bubble bubble(std::chrono::nanoseconds expected = {},
                                      bubble_kind kind = bubble_kind::other) {
     return scoped_bubble(*this, expected, kind);
@@ -413,7 +438,13 @@ class trainer {
 
  private:
   using handle = detail::unique_handle<bb_trainer_h, bb_trainer_close>;
+  // Points this trainer's open scoped bubbles at t (nullptr: at no trainer).
+  void follow(trainer* t) noexcept {
+    for (scoped_bubble* s = scope_; s; s = s->outer_) s->t_ = t;
+    if (!t) scope_ = nullptr;
+  }
   handle h_;
+  scoped_bubble* scope_ = nullptr;  // the innermost open scoped bubble
 };
 
 // ------------------------------------------------------------------------------------------
