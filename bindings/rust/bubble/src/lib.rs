@@ -31,7 +31,7 @@ pub use task::{
     TimeLeft, WakeMode,
 };
 pub use trainer::{
-    BubbleGuard, BubbleKind, Schedule, ScheduleBubbles, ScheduleKind, TaskInfo, Trainer,
+    BubbleGuard, BubbleKind, BubbleThread, Schedule, ScheduleBubbles, ScheduleKind, TaskInfo, Trainer,
     TrainerOptions, TrainerStats,
 };
 

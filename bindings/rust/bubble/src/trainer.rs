@@ -1,9 +1,11 @@
+use std::marker::PhantomData;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bubble_sys as sys;
 
-use crate::error::{check, Result};
+use crate::error::{check, Error, Result, Status};
 use crate::grant::{GrantInfo, GrantStats, LendOptions};
 use crate::{c_string, duration_ns};
 
@@ -148,15 +150,68 @@ pub struct TaskInfo {
 }
 
 /// The hub of one trainer rank. Dropping it stops every attached task and removes the hub.
+///
+/// The bubble calls (`begin`, `end`, `bubble`, `iteration`, `set_schedule`) come from one
+/// thread at a time, so on a `Trainer` they take `&mut self`. To make them on one thread while
+/// others share the trainer (`&Trainer` in an `Arc` or a scoped thread: `stats`, `tasks`,
+/// `grant`, `unlend`, ...), that thread takes the trainer's [`BubbleThread`], without a lock.
 #[derive(Debug)]
 pub struct Trainer {
     raw: NonNull<sys::bb_trainer>,
+    bubble_thread_taken: AtomicBool,
 }
 
-// SAFETY: every trainer function may be called from any thread; begin/end, which must come
-// from one thread at a time, take `&mut self`.
+// SAFETY: every trainer function may be called from any thread; the bubble calls, which must
+// come from one thread at a time, take `&mut self` here or on the one `BubbleThread`.
 unsafe impl Send for Trainer {}
 unsafe impl Sync for Trainer {}
+
+/// The right to make a shared trainer's bubble calls: one at a time per trainer (see
+/// [`Trainer::bubble_thread`]). It may move to another thread but its calls take `&mut self`,
+/// so they come from one thread at a time; dropping it lets another be taken.
+#[derive(Debug)]
+pub struct BubbleThread<'t> {
+    trainer: &'t Trainer,
+}
+
+impl BubbleThread<'_> {
+    /// As [`Trainer::begin`].
+    pub fn begin(&mut self, expected: Duration, kind: BubbleKind, free_mem: Option<u64>) -> Result<()> {
+        self.trainer.begin_unchecked(expected, kind, free_mem)
+    }
+
+    /// As [`Trainer::end`].
+    pub fn end(&mut self) -> Result<()> {
+        self.trainer.end_unchecked()
+    }
+
+    /// As [`Trainer::bubble`].
+    pub fn bubble(&mut self, expected: Duration, kind: BubbleKind) -> Result<BubbleGuard<'_>> {
+        self.trainer.begin_unchecked(expected, kind, None)?;
+        Ok(BubbleGuard { raw: self.trainer.raw, _bubble_thread: PhantomData })
+    }
+
+    /// As [`Trainer::iteration`].
+    pub fn iteration(&mut self) -> Result<()> {
+        self.trainer.iteration_unchecked()
+    }
+
+    /// As [`Trainer::set_schedule`].
+    pub fn set_schedule(&mut self, schedule: &Schedule) -> Result<()> {
+        self.trainer.set_schedule_unchecked(schedule)
+    }
+
+    /// The trainer it makes the bubble calls of.
+    pub fn trainer(&self) -> &Trainer {
+        self.trainer
+    }
+}
+
+impl Drop for BubbleThread<'_> {
+    fn drop(&mut self) {
+        self.trainer.bubble_thread_taken.store(false, Ordering::Release);
+    }
+}
 
 impl Trainer {
     /// Creates the hub of (job_id, rank). Fails with `Status::Busy` if a live trainer owns it.
@@ -181,38 +236,73 @@ impl Trainer {
         let mut out = std::ptr::null_mut();
         // SAFETY: the strings outlive the call; out is a valid out-parameter.
         check(unsafe { sys::bb_trainer_open(job.as_ptr(), rank, &opts, &mut out) })?;
-        Ok(Trainer { raw: NonNull::new(out).expect("bb_trainer_open returned OK and no handle") })
+        Ok(Trainer {
+            raw: NonNull::new(out).expect("bb_trainer_open returned OK and no handle"),
+            bubble_thread_taken: AtomicBool::new(false),
+        })
+    }
+
+    /// Takes the right to make the bubble calls through `&self`, for a trainer shared with
+    /// other threads. `Status::Busy` while another `BubbleThread` of this trainer lives.
+    pub fn bubble_thread(&self) -> Result<BubbleThread<'_>> {
+        if self.bubble_thread_taken.swap(true, Ordering::Acquire) {
+            return Err(Error {
+                status: Status::Busy,
+                message: "this trainer's BubbleThread is taken: the bubble calls come from one \
+                          thread at a time; drop the other one first"
+                    .to_owned(),
+                source: None,
+            });
+        }
+        Ok(BubbleThread { trainer: self })
     }
 
     /// A bubble starts now. `expected`: its length (zero: predicted from earlier bubbles);
     /// `free_mem`: device bytes side tasks may use (None: unknown).
     pub fn begin(&mut self, expected: Duration, kind: BubbleKind, free_mem: Option<u64>) -> Result<()> {
-        let mem = free_mem.unwrap_or(sys::BB_MEM_UNKNOWN);
-        // SAFETY: the handle is live while self is.
-        check(unsafe { sys::bb_bubble_begin(self.raw.as_ptr(), duration_ns(expected), mem, kind.to_sys()) })
+        self.begin_unchecked(expected, kind, free_mem)
     }
 
     /// The bubble ends now; started tasks are told to pause.
     pub fn end(&mut self) -> Result<()> {
-        // SAFETY: live handle.
-        check(unsafe { sys::bb_bubble_end(self.raw.as_ptr()) })
+        self.end_unchecked()
     }
 
     /// Begins a bubble that ends when the guard drops (so also on `?` and panics).
     pub fn bubble(&mut self, expected: Duration, kind: BubbleKind) -> Result<BubbleGuard<'_>> {
-        self.begin(expected, kind, None)?;
-        Ok(BubbleGuard { trainer: self })
+        self.begin_unchecked(expected, kind, None)?;
+        Ok(BubbleGuard { raw: self.raw, _bubble_thread: PhantomData })
     }
 
     /// Marks the start of a training iteration (numbers bubbles for the predictor).
     pub fn iteration(&mut self) -> Result<()> {
-        // SAFETY: live handle.
-        check(unsafe { sys::bb_trainer_iteration(self.raw.as_ptr()) })
+        self.iteration_unchecked()
     }
 
     /// Declares the pipeline schedule (from the bubble thread, before an iteration; not
     /// bounded-time). `Status::Invalid` names what the schedule model rejects.
     pub fn set_schedule(&mut self, schedule: &Schedule) -> Result<()> {
+        self.set_schedule_unchecked(schedule)
+    }
+
+    // The bubble calls through `&self`: callers hold `&mut Trainer` or the one `BubbleThread`.
+    fn begin_unchecked(&self, expected: Duration, kind: BubbleKind, free_mem: Option<u64>) -> Result<()> {
+        let mem = free_mem.unwrap_or(sys::BB_MEM_UNKNOWN);
+        // SAFETY: the handle is live while self is.
+        check(unsafe { sys::bb_bubble_begin(self.raw.as_ptr(), duration_ns(expected), mem, kind.to_sys()) })
+    }
+
+    fn end_unchecked(&self) -> Result<()> {
+        // SAFETY: live handle.
+        check(unsafe { sys::bb_bubble_end(self.raw.as_ptr()) })
+    }
+
+    fn iteration_unchecked(&self) -> Result<()> {
+        // SAFETY: live handle.
+        check(unsafe { sys::bb_trainer_iteration(self.raw.as_ptr()) })
+    }
+
+    fn set_schedule_unchecked(&self, schedule: &Schedule) -> Result<()> {
         // SAFETY: init_sized writes all `size` bytes (a library that knows fewer fields zeroes
         // the rest).
         let mut c = unsafe {
@@ -360,23 +450,25 @@ impl Drop for Trainer {
 /// Ends its bubble when dropped.
 #[must_use = "the bubble ends when the guard is dropped"]
 pub struct BubbleGuard<'a> {
-    trainer: &'a mut Trainer,
+    raw: NonNull<sys::bb_trainer>,
+    // Borrows the trainer (or its BubbleThread) mutably: no other bubble call meanwhile.
+    _bubble_thread: PhantomData<&'a mut ()>,
 }
 
 impl BubbleGuard<'_> {
     /// Ends the bubble now and reports the status.
     pub fn end(self) -> Result<()> {
-        let raw = self.trainer.raw.as_ptr();
+        let raw = self.raw.as_ptr();
         std::mem::forget(self);
-        // SAFETY: live handle (borrowed).
+        // SAFETY: live handle (borrowed for 'a).
         check(unsafe { sys::bb_bubble_end(raw) })
     }
 }
 
 impl Drop for BubbleGuard<'_> {
     fn drop(&mut self) {
-        // SAFETY: live handle (borrowed).
-        unsafe { sys::bb_bubble_end(self.trainer.raw.as_ptr()) };
+        // SAFETY: live handle (borrowed for 'a).
+        unsafe { sys::bb_bubble_end(self.raw.as_ptr()) };
     }
 }
 

@@ -146,6 +146,53 @@ fn dropping_the_trainer_removes_the_hub() {
 }
 
 #[test]
+fn a_shared_trainer_makes_its_bubble_calls_through_its_one_bubble_thread() {
+    let env = Env::new();
+    let trainer = Arc::new(env.trainer());
+    let bubbles_thread = {
+        let trainer = Arc::clone(&trainer);
+        std::thread::spawn(move || {
+            let mut b = trainer.bubble_thread().unwrap();
+            b.iteration().unwrap();
+            for _ in 0..50 {
+                let guard = b.bubble(Duration::from_millis(1), BubbleKind::Steady).unwrap();
+                std::thread::sleep(Duration::from_micros(200));
+                drop(guard);
+                b.begin(Duration::from_millis(1), BubbleKind::Other, Some(1 << 20)).unwrap();
+                b.end().unwrap();
+            }
+        })
+    };
+    // Meanwhile, the other calls from this thread, on the same trainer.
+    let mut looked = 0;
+    while !bubbles_thread.is_finished() {
+        assert!(trainer.tasks().unwrap().is_empty());
+        trainer.stats().unwrap();
+        looked += 1;
+    }
+    bubbles_thread.join().unwrap();
+    assert!(looked > 0);
+    assert_eq!(trainer.stats().unwrap().bubbles, 100);
+    // One at a time: a second is refused while the first lives, and may be taken after it.
+    let first = trainer.bubble_thread().unwrap();
+    let busy = trainer.bubble_thread().unwrap_err();
+    assert_eq!(busy.status, Status::Busy);
+    assert!(busy.message.contains("one thread at a time"), "{}", busy.message);
+    drop(first);
+    let mut again = trainer.bubble_thread().unwrap();
+    let mut task = env.attach("shared").unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let _g = again.bubble(Duration::from_millis(50), BubbleKind::Steady).unwrap();
+            assert!(task.wait_start(Some(Duration::from_secs(20))).unwrap().is_some());
+        });
+    });
+    assert_eq!(again.trainer().stats().unwrap().bubbles, 101);
+    drop(again);
+    task.detach().unwrap();
+}
+
+#[test]
 fn imperative_wait_start_should_pause_ack_pause() {
     let env = Env::new();
     let mut trainer = env.trainer();
