@@ -460,6 +460,12 @@ void check_init_sized(void (*init_sized)(T*, size_t), const T& defaults) {
 extern "C" void first_task_options_init(bb_task_options_t*) __asm__("bb_task_options_init");
 extern "C" void first_lend_options_init(bb_lend_options_t*) __asm__("bb_lend_options_init");
 
+extern "C" int bb_test_c_inits_through_void_pointers(void);  // c_header_inits.c
+
+TEST_CASE("option_init_macros_in_c_write_the_defaults_through_a_void_pointer") {
+  CHECK(bb_test_c_inits_through_void_pointers() == 1);
+}
+
 // A program built against another version's header passes its own struct size to the
 // library's init (the *_init macros do): the library never writes past it.
 TEST_CASE("option_inits_write_exactly_the_callers_size") {

@@ -7,7 +7,8 @@
  *     out-parameter, the matching close/detach function frees it and accepts NULL;
  *   - structs end in _t and start with a uint32_t `size` that the caller sets. Option structs
  *     (passed in): use the *_init() helper or the *_INIT macro. Each *_init(p) is a macro over
- *     the exported *_init_sized(p, sizeof *p): the library writes exactly the caller's size
+ *     the exported *_init_sized(p, sizeof(the struct type)), the size in the header the caller
+ *     was built with (also when p is a void pointer): the library writes exactly that size
  *     (its defaults for the fields it knows, zeros past them; under 8 bytes, or over 64 KiB,
  *     nothing) and sets p->size to it, so a program built against another version's header
  *     never has its struct overrun, and a binding passes the size of its own mirror of the
@@ -131,7 +132,7 @@ typedef struct bb_trainer_options_t {
 
 #define BB_TRAINER_OPTIONS_INIT {sizeof(bb_trainer_options_t), 64u, 1u, 4096u, NULL, UINT32_MAX, 0u}
 BB_API void bb_trainer_options_init_sized(bb_trainer_options_t *opts, size_t size);
-#define bb_trainer_options_init(opts) bb_trainer_options_init_sized((opts), sizeof *(opts))
+#define bb_trainer_options_init(opts) bb_trainer_options_init_sized((opts), sizeof(bb_trainer_options_t))
 
 /* Create the hub (job_id: 1..BB_NAME_MAX of [A-Za-z0-9_.-], not starting with '.'; rank
  * 0..65535). A hub left by a dead trainer with the same name is cleaned up and replaced;
@@ -213,7 +214,7 @@ typedef struct bb_schedule_t {
   {sizeof(bb_schedule_t), BB_SCHEDULE_1F1B, 0u, 0u, 1u, 0u, 0u, 0u, 0u, 0u, \
    BB_SCHEDULE_BUBBLES_IDLE, 0u}
 BB_API void bb_schedule_init_sized(bb_schedule_t *schedule, size_t size);
-#define bb_schedule_init(schedule) bb_schedule_init_sized((schedule), sizeof *(schedule))
+#define bb_schedule_init(schedule) bb_schedule_init_sized((schedule), sizeof(bb_schedule_t))
 
 /* Declares the schedule: the predictor is seeded with this stage's bubble lengths and the gaps
  * between them, so bb_bubble_begin(expected_ns = 0) and predictive wake are right from the first
@@ -334,7 +335,7 @@ typedef struct bb_task_options_t {
   {sizeof(bb_task_options_t), 0, 0u, 0u, BB_ON_TRAINER_EXIT_RETURN, BB_WAKE_PREDICTIVE,        \
    60000000000ull, 20000ull, NULL, 50000ull}
 BB_API void bb_task_options_init_sized(bb_task_options_t *opts, size_t size);
-#define bb_task_options_init(opts) bb_task_options_init_sized((opts), sizeof *(opts))
+#define bb_task_options_init(opts) bb_task_options_init_sized((opts), sizeof(bb_task_options_t))
 
 /* Attach to the hub of (job_id, rank) under a name (1..BB_NAME_MAX printable characters).
  * opts may be NULL. Fails with BB_E_NOT_FOUND when no trainer serves that hub, BB_E_FULL when
@@ -428,7 +429,7 @@ typedef struct bb_task_callbacks_t {
 #define BB_TASK_CALLBACKS_INIT \
   {sizeof(bb_task_callbacks_t), 0u, NULL, NULL, NULL, NULL, NULL, NULL, NULL}
 BB_API void bb_task_callbacks_init_sized(bb_task_callbacks_t *cbs, size_t size);
-#define bb_task_callbacks_init(cbs) bb_task_callbacks_init_sized((cbs), sizeof *(cbs))
+#define bb_task_callbacks_init(cbs) bb_task_callbacks_init_sized((cbs), sizeof(bb_task_callbacks_t))
 
 /* Iterative: runs init, then in every bubble resume, steps while the measured step time fits
  * before the deadline and no pause is asked, then pause and an ack; idle between bubbles.
@@ -490,7 +491,7 @@ typedef struct bb_lend_options_t {
 #define BB_LEND_OPTIONS_INIT \
   {sizeof(bb_lend_options_t), BB_GRANT_HOST, 0u, 0u, 0, 64u, 0u, 1u, 0u, 1u, 0u}
 BB_API void bb_lend_options_init_sized(bb_lend_options_t *opts, size_t size);
-#define bb_lend_options_init(opts) bb_lend_options_init_sized((opts), sizeof *(opts))
+#define bb_lend_options_init(opts) bb_lend_options_init_sized((opts), sizeof(bb_lend_options_t))
 
 /* Lends memory to the hub's tasks. One lent range at a time (BB_E_BUSY while one is lent); the
  * lent memory is given back by bb_trainer_unlend or when the hub closes. BB_E_UNSUPPORTED for a

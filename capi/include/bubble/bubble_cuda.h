@@ -41,7 +41,7 @@ typedef struct bb_stream_timing_options_t {
 /* Writes exactly `size` bytes, as the *_init_sized functions of bubble.h do. */
 BB_API void bb_stream_timing_options_init_sized(bb_stream_timing_options_t *opts, size_t size);
 #define bb_stream_timing_options_init(opts) \
-  bb_stream_timing_options_init_sized((opts), sizeof *(opts))
+  bb_stream_timing_options_init_sized((opts), sizeof(bb_stream_timing_options_t))
 
 /* Starts stream timing for a trainer: creates the events and the watcher thread ("bb-stream",
  * which blocks asynchronous signals like the hub's service thread). From then on
