@@ -109,6 +109,7 @@ void Agent::shutdown() {
       *t = nullptr;
     }
   }
+  cancel_opens();
   for (auto& [name, hub] : hubs_) close_hub_handles(hub.get());
   // Tasks keep running: the next agent re-adopts them. One that enforcement stopped would stay
   // stopped until then (or for good, with no agent to come): it is continued now.

@@ -146,6 +146,10 @@ class Agent {
   // Opens hub (job, rank) on libuv's thread pool (the open waits for its trainer's answer, and
   // a stopped trainer gives none); open_done() takes the result on the loop.
   void try_open_hub(const std::string& job, uint32_t rank);
+  // The directory changed: opens hub (job, rank) with a new series of tries, or once more after
+  // the open under way.
+  void open_hub_afresh(const std::string& job, uint32_t rank);
+  void cancel_opens();
   // The hubs listed now, opened in parallel before this returns (at start, before any client
   // is served, so the first request already sees them).
   void open_hubs_now(const std::vector<core::HubName>& hubs);
@@ -231,8 +235,10 @@ class Agent {
   std::map<int64_t, TaskRow> tasks_;
   std::map<int64_t, std::unique_ptr<LiveTask>> live_;
   std::map<std::string, std::unique_ptr<Hub>> hubs_;
-  // Hubs whose open is under way on the thread pool.
-  std::set<std::string> opening_;
+  // Hubs whose open is under way on the thread pool, and those to try once more if it fails
+  // (the directory changed meanwhile).
+  std::map<std::string, HubOpen*> opening_;
+  std::set<std::string> open_again_;
   // Hubs whose open failed, waiting for their next try: the rounds made so far and when the
   // next is due (uv_now ms; UINT64_MAX while a try is under way).
   struct OpenRetry {

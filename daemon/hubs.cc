@@ -2,12 +2,16 @@
 // the runtime directory plus a scan at start), observe them read-only, notice their trainer's
 // exit through the observer's descriptor, and sample snapshots and event logs while they live.
 #include "daemon/agent.h"
+#include "core/paths.h"
 #include "daemon/placement.h"
 
 #include <dirent.h>
 #include <signal.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <system_error>
 #include <thread>
 
 namespace bb::daemon {
@@ -138,9 +142,23 @@ void Agent::scan_hubs() {
     std::string name = h.job + ":" + std::to_string(h.rank);
     auto it = hubs_.find(name);
     if (it != hubs_.end() && it->second->alive) continue;
-    try_open_hub(h.job, h.rank);
+    open_hub_afresh(h.job, h.rank);
   }
+  arm_open_retry();
   update_timers();
+}
+
+void Agent::open_hub_afresh(const std::string& job, uint32_t rank) {
+  const std::string name = job + ":" + std::to_string(rank);
+  // An open under way may have connected before this change (to the socket a new trainer just
+  // replaced): it is tried once more when it fails.
+  if (opening_.count(name)) {
+    open_again_.insert(name);
+    return;
+  }
+  // The directory changed: a new series of tries, not one more of the last.
+  retry_hubs_.erase(name);
+  try_open_hub(job, rank);
 }
 
 void Agent::open_hubs_now(const std::vector<core::HubName>& hubs) {
@@ -154,11 +172,17 @@ void Agent::open_hubs_now(const std::vector<core::HubName>& hubs) {
     o->name = h.job + ":" + std::to_string(h.rank);
     opens.push_back(std::move(o));
   }
-  // In parallel: trainers that do not answer cost the start one timeout, not one each.
+  // In parallel: trainers that do not answer cost the start one timeout per batch, not one
+  // each. Where no thread can be had (a limit on processes), the rest are opened one by one.
   for (size_t from = 0; from < opens.size(); from += kStartOpenThreads) {
     std::vector<std::thread> threads;
     const size_t to = std::min(opens.size(), from + kStartOpenThreads);
-    for (size_t k = from; k < to; ++k) threads.emplace_back([o = opens[k].get()] { o->run(); });
+    size_t k = from;
+    try {
+      for (; k < to; ++k) threads.emplace_back([o = opens[k].get()] { o->run(); });
+    } catch (const std::system_error&) {
+      for (; k < to; ++k) opens[k]->run();
+    }
     for (std::thread& t : threads) t.join();
   }
   for (auto& o : opens) open_done(o.get());
@@ -183,18 +207,29 @@ void Agent::try_open_hub(const std::string& job, uint32_t rank) {
     open_failed(name, std::string("cannot queue the open: ") + uv_strerror(rc));
     return;
   }
-  o.release();  // on_open_done frees it
-  opening_.insert(name);
+  opening_[name] = o.release();  // on_open_done frees it
 }
 
 void Agent::open_done(HubOpen* o) {
   opening_.erase(o->name);
+  const bool again = open_again_.erase(o->name) != 0;
   if (closing_ || o->cancelled) return;  // the observer, if any, closes with o
   if (o->st != BB_OK) {
+    if (again) {  // the directory changed while it was under way
+      open_hub_afresh(o->job, o->rank);
+      arm_open_retry();
+      return;
+    }
     open_failed(o->name, o->error);
     return;
   }
   install_hub(o->job, o->rank, std::move(o->obs));
+}
+
+void Agent::cancel_opens() {
+  // Opens not started yet are dropped (their callbacks run with UV_ECANCELED); the ones under
+  // way end within the answer timeout, and their results are dropped.
+  for (auto& [name, o] : opening_) uv_cancel(reinterpret_cast<uv_req_t*>(&o->req));
 }
 
 void Agent::open_failed(const std::string& name, const std::string& error) {
@@ -310,6 +345,14 @@ void Agent::on_hub_gone(Hub* hub, const char* why) {
   }
   hub->task_rows.clear();
   hub->enforce.clear();
+  // A socket under its name: a new trainer's that came before this one's hang-up was seen (the
+  // change of the directory found this hub still open), or a killed trainer's left behind.
+  std::string sock;
+  if (core::hub_paths(cfg_.runtime_dir, hub->job.c_str(), hub->rank, &sock, nullptr) == BB_OK &&
+      access(sock.c_str(), F_OK) == 0) {
+    open_hub_afresh(hub->job, hub->rank);
+    arm_open_retry();
+  }
   schedule();
   update_timers();
 }

@@ -6,6 +6,7 @@ import os
 import resource
 import shutil
 import signal
+import struct
 import subprocess
 import tempfile
 
@@ -27,6 +28,40 @@ for _name, _path in [("BUBBLED", BUBBLED), ("BUBBLECTL", BUBBLECTL), ("TRAINER_S
         raise RuntimeError(f"{_name} must point to the built program (run these tests through ctest)")
 
 DEADLINE_S = 30.0
+
+
+# --- the control protocol by hand (Cap'n Proto through the `capnp` tool)
+def encode(text, type_name="Request"):
+    return subprocess.run(["capnp", "encode", AGENT_SCHEMA, type_name], input=text.encode(),
+                          capture_output=True, check=True, timeout=30).stdout
+
+
+def decode(body, type_name="Response"):
+    return subprocess.run(["capnp", "decode", AGENT_SCHEMA, type_name], input=body,
+                          capture_output=True, check=True, timeout=30).stdout.decode()
+
+
+def frame(body):
+    return struct.pack("<I", len(body)) + body
+
+
+HELLO = '(id = 1, hello = (protocolVersion = 1, client = "test"))'
+
+
+def read_frame(s):
+    head = b""
+    while len(head) < 4:
+        chunk = s.recv(4 - len(head))
+        if not chunk:
+            return None
+        head += chunk
+    (n,) = struct.unpack("<I", head)
+    body = bytearray()
+    while len(body) < n:
+        chunk = s.recv(min(1 << 20, n - len(body)))
+        assert chunk, "connection closed inside a frame"
+        body += chunk
+    return bytes(body)
 
 
 class Env:

@@ -8,24 +8,7 @@ import time
 
 import pytest
 
-from conftest import AGENT_SCHEMA, wait_until
-
-
-def encode(text, type_name="Request"):
-    return subprocess.run(["capnp", "encode", AGENT_SCHEMA, type_name], input=text.encode(),
-                          capture_output=True, check=True, timeout=30).stdout
-
-
-def decode(body, type_name="Response"):
-    return subprocess.run(["capnp", "decode", AGENT_SCHEMA, type_name], input=body,
-                          capture_output=True, check=True, timeout=30).stdout.decode()
-
-
-def frame(body):
-    return struct.pack("<I", len(body)) + body
-
-
-HELLO = '(id = 1, hello = (protocolVersion = 1, client = "test"))'
+from conftest import AGENT_SCHEMA, HELLO, decode, encode, frame, read_frame, wait_until
 
 
 def connect(env):
@@ -33,22 +16,6 @@ def connect(env):
     s.settimeout(20)
     s.connect(env.socket)
     return s
-
-
-def read_frame(s):
-    head = b""
-    while len(head) < 4:
-        chunk = s.recv(4 - len(head))
-        if not chunk:
-            return None
-        head += chunk
-    (n,) = struct.unpack("<I", head)
-    body = b""
-    while len(body) < n:
-        chunk = s.recv(n - len(body))
-        assert chunk, "connection closed inside a frame"
-        body += chunk
-    return body
 
 
 def expect_error_and_close(s, needle):

@@ -6,8 +6,6 @@ import importlib.util
 import os
 import socket
 import sqlite3
-import struct
-import subprocess
 
 import pytest
 
@@ -24,30 +22,12 @@ MAX_FRAME = 16 << 20
 
 
 def encode(text, type_name="Request"):
-    body = subprocess.run(["capnp", "encode", AGENT_SCHEMA, type_name], input=text.encode(),
-                          capture_output=True, check=True, timeout=60).stdout
-    return struct.pack("<I", len(body)) + body
+    """One framed message."""
+    return daemon_conftest.frame(daemon_conftest.encode(text, type_name))
 
 
-def decode(body, type_name="Response"):
-    return subprocess.run(["capnp", "decode", AGENT_SCHEMA, type_name], input=body,
-                          capture_output=True, check=True, timeout=60).stdout.decode()
-
-
-def read_frame(s):
-    head = b""
-    while len(head) < 4:
-        chunk = s.recv(4 - len(head))
-        if not chunk:
-            return None
-        head += chunk
-    (n,) = struct.unpack("<I", head)
-    body = bytearray()
-    while len(body) < n:
-        chunk = s.recv(min(1 << 20, n - len(body)))
-        assert chunk, "connection closed inside a frame"
-        body += chunk
-    return bytes(body)
+decode = daemon_conftest.decode
+read_frame = daemon_conftest.read_frame
 
 
 def session(e):
