@@ -48,18 +48,38 @@ inline Grant from_record(const shm::GrantRecord& r) {
   return g;
 }
 
-// Service thread: the grant offered to the task (record and id), or none (g == nullptr).
-// revoke_id is left as it is; the caller bumps grant_change when all words are set.
-inline void write_grant(shm::SlotCtl* c, const Grant* g) {
+// Service thread: one change of the grant words (record, grant_id, revoke_id and its deadline)
+// under the grant_seq seqlock, so a task reads all of a change or none of it (a grant_id from
+// before a release beside a record from after it read as a corrupt record). The caller bumps
+// grant_change once the words are set.
+template <typename Change>
+inline void change_grant_words(shm::SlotCtl* c, Change&& change) {
   const uint32_t s = c->grant_seq.load(std::memory_order_relaxed);
   c->grant_seq.store(s + 1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_release);
-  const shm::GrantRecord r = g ? to_record(*g) : shm::GrantRecord{};
-  // The record is plain memory the task reads concurrently under the seqlock; copying it with
-  // memcpy between the two fences is the usual seqlock write.
-  std::memcpy(&c->grant, &r, sizeof r);
+  change();
   c->grant_seq.store(s + 2, std::memory_order_release);
-  c->grant_id.store(g ? g->id : 0, std::memory_order_release);
+}
+
+// The grant offered to the task (record and id), or none (g == nullptr); no revoke asked.
+inline void write_grant(shm::SlotCtl* c, const Grant* g) {
+  const shm::GrantRecord r = g ? to_record(*g) : shm::GrantRecord{};
+  change_grant_words(c, [&] {
+    // The record is plain memory the task reads concurrently under the seqlock; copying it
+    // with memcpy between the two fences is the usual seqlock write.
+    std::memcpy(&c->grant, &r, sizeof r);
+    c->grant_id.store(g ? g->id : 0, std::memory_order_relaxed);
+    c->revoke_id.store(0, std::memory_order_relaxed);
+    c->revoke_deadline_ns.store(0, std::memory_order_relaxed);
+  });
+}
+
+// The revoke of grant `id` asked, by deadline_ns (the grant itself stays as it is).
+inline void write_revoke(shm::SlotCtl* c, uint64_t id, uint64_t deadline_ns) {
+  change_grant_words(c, [&] {
+    c->revoke_deadline_ns.store(deadline_ns, std::memory_order_relaxed);
+    c->revoke_id.store(id, std::memory_order_relaxed);
+  });
 }
 
 struct GrantWords {

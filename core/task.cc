@@ -241,6 +241,7 @@ bb_status Task::connect() {
   page_map_ = std::move(page);
   hub_ = view;
   slot_ = r.slot;
+  generation_ = r.generation;
   ctl_ = hub_.slot(slot_);
   // Read after the attach was answered, so after the service thread took the mutex; anything
   // but a 4-aligned offset inside the mutex leaves the task without the one-load check.
@@ -260,6 +261,7 @@ bb_status Task::connect() {
 
 bool Task::trainer_gone() const {
   if (!sock_) return true;
+  if (slot_lost()) return true;  // for us it is gone, whether it lives or not
   if (hub_.stats()->closing.load(std::memory_order_acquire) || trainer_died()) return true;
   pollfd p{sock_.get(), POLLIN, 0};
   if (poll(&p, 1, 0) <= 0) return false;
@@ -390,6 +392,19 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
     bb_status st = reattach(until);
     if (st != BB_OK) return st;
   }
+  // Dropped by a trainer that lives on (the process that attached exited and left this task to
+  // a fork, or the connection broke): the slot's starts are not ours any more, whoever's they
+  // are now. Checked here, off the path from a start to its task, and by every liveness look.
+  if (trainer_lost_ || slot_lost()) {
+    if (slot_lost() && opts_.on_trainer_exit != BB_ON_TRAINER_EXIT_WAIT) {
+      release();
+      return fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u dropped this task from its slot "
+                  "(the process that attached it exited, or its connection broke): attach "
+                  "again", job_.c_str(), rank_);
+    }
+    bb_status st = reattach(until);
+    if (st != BB_OK) return st;
+  }
   if (epoch_ != 0) ack_pause();  // waiting again means the previous run is over
   uint64_t seen_ns = 0;  // when the last wait saw the doorbell move
   for (;;) {
@@ -427,6 +442,14 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
           stamp_started(cmd.epoch, 0);  // every start is reported, a failed one too
           ack(cmd.epoch, false);
           return gs;
+        }
+        if (grant_id_ != cmd.grant_id) {
+          // Taken back before we could map it (revoked after the bubble thread picked us): a
+          // task with a mem_need runs only with its grant, so the start is handed back as if
+          // yielded at once, and we wait for the next.
+          stamp_started(cmd.epoch, 0);
+          ack(cmd.epoch, true);
+          continue;
         }
       }
       epoch_ = cmd.epoch;

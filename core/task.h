@@ -99,6 +99,13 @@ class Task {
   const uint32_t* alive_word_ = nullptr;  // see trainer_died(); null where the hub has none
   shm::TaskPage* page_ = nullptr;
   uint32_t slot_ = 0;
+  uint32_t generation_ = 0;  // of our attach to the slot
+  // The trainer no longer has us in our slot (it reclaimed it, maybe for another task): read off
+  // the start path, where the slot's second line costs nothing extra.
+  bool slot_lost() const {
+    return ctl_->generation.load(std::memory_order_relaxed) != generation_ ||
+           ctl_->state.load(std::memory_order_acquire) != uint32_t(shm::SlotState::kActive);
+  }
 
   uint32_t epoch_ = 0;          // the epoch we run in; 0 = not running
   // The start we run under, as the slot's start block gave it.

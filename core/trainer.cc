@@ -1055,8 +1055,6 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   ctl->ns_in_bubbles.store(0, std::memory_order_relaxed);
   ctl->ns_outside.store(0, std::memory_order_relaxed);
   write_grant(ctl, nullptr);
-  ctl->revoke_id.store(0, std::memory_order_relaxed);
-  ctl->revoke_deadline_ns.store(0, std::memory_order_relaxed);
   ctl->pid = cred.pid;
   ctl->priority = m.priority;
   ctl->mem_need = m.mem_need;
@@ -1537,9 +1535,7 @@ bb_status Trainer::start_revoke(uint32_t i, uint64_t deadline_ns, std::string* e
   s.revoke_deadline_ns = deadline_ns;
   s.grant_hold = true;
   s.grant_ready.store(0, std::memory_order_release);  // no START names it any more
-  SlotCtl* c = slot_ctl(i);
-  c->revoke_deadline_ns.store(deadline_ns, std::memory_order_relaxed);
-  c->revoke_id.store(s.grant, std::memory_order_release);
+  write_revoke(slot_ctl(i), s.grant, deadline_ns);
   ring_doorbell(i);
   revokes_.fetch_add(1, std::memory_order_relaxed);
   log_service(shm::EventKind::kRevoke, i, now_ns(), s.grant, deadline_ns);
@@ -1570,8 +1566,6 @@ void Trainer::release_grant(uint32_t i, bool dead) {
   if (l) (void)l->release(id, &err);
   SlotCtl* c = slot_ctl(i);
   write_grant(c, nullptr);
-  c->revoke_id.store(0, std::memory_order_relaxed);
-  c->revoke_deadline_ns.store(0, std::memory_order_relaxed);
   c->grant_change.fetch_add(1, std::memory_order_release);
   s.grant = 0;
   s.revoking = false;
@@ -1684,8 +1678,7 @@ void Trainer::take_back_grants(uint64_t deadline_ns) {
       if (deadline_ns < s.revoke_deadline_ns) {
         s.revoke_deadline_ns = deadline_ns;
         if (GrantLender* l = lender_.load(std::memory_order_acquire)) l->hasten(s.grant, deadline_ns);
-        SlotCtl* c = slot_ctl(i);
-        c->revoke_deadline_ns.store(deadline_ns, std::memory_order_relaxed);
+        write_revoke(slot_ctl(i), s.grant, deadline_ns);
         ring_doorbell(i);
       }
       continue;

@@ -13,6 +13,10 @@
  *                     GRANT, then never calls libbubble again (a task that ignores a revoke)
  *         grant-leave waits for a start with a grant, writes it, then closes its sockets and
  *                     sleeps (a task that leaves its slot still mapping the grant)
+ *         fork-stale  forks; the process that attached prints "FORKED <child pid>" and exits,
+ *                     and the child, which keeps the task, waits for a line on stdin, then
+ *                     waits up to 2 s for a start and prints its RESULT (a task its trainer
+ *                     dropped with the process that attached it, left to a fork)
  *   --step-us N, --prio N, --mem N, --min-step-us N, --max-steps N (then BB_STEP_DONE),
  *   --idle N (iterative): an idle callback that prints "IDLE <n>" (n counts the calls since the
  *   last bubble, from 1; " in-bubble" follows if it came inside one) and returns BB_STEP_DONE at
@@ -285,6 +289,22 @@ int main(int argc, char **argv) {
       bb_task_ack_pause(task);
       point("acked");
     }
+  } else if (!strcmp(mode, "fork-stale")) {
+    const pid_t child = fork();
+    if (child < 0) {
+      perror("fork");
+      return 1;
+    }
+    if (child > 0) {
+      printf("FORKED %d\n", (int)child);
+      fflush(stdout);
+      _exit(0);
+    }
+    char line[16];
+    if (!fgets(line, sizeof line, stdin)) return 1;
+    bb_start_info_t info = {sizeof info};
+    st = bb_task_wait_start(task, 2000000000, &info);
+    starts += st == BB_OK;
   } else if (!strcmp(mode, "ignore")) {
     for (;;) pause();
   } else if (!strcmp(mode, "attach-only")) {

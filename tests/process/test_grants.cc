@@ -875,6 +875,40 @@ TEST_CASE("a_task_in_the_trainers_own_process_is_never_killed_for_its_grant") {
   check_lender_empty(t.grants());
 }
 
+TEST_CASE("a_start_whose_grant_was_revoked_before_the_task_looked_is_handed_back") {
+  // A task with a mem_need runs only with its grant. The bubble thread named the grant in the
+  // start; the revoke came before the task looked at either: the task does not run without it.
+  RuntimeDir dir;
+  Trainer t("withdrawn");
+  t.lend(BB_GRANT_HOST, kMiB);
+  bb_task_options_t o;
+  bb_task_options_init(&o);
+  o.mem_need = 65536;
+  bb_task_h task = nullptr;
+  REQUIRE(bb_task_attach("withdrawn", 0, "needs", &o, &task) == BB_OK);
+  const uint64_t id = t.task_id("needs");
+  REQUIRE(eventually([&] { return t.grant_of(id).id != 0; }));  // granted when it attached
+  const uint64_t grant = t.grant_of(id).id;
+  REQUIRE(bb_bubble_begin(t.h, 100'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+  REQUIRE(eventually([&] {
+    for (const auto& k : t.tasks())
+      if (k.id == id) return k.running != 0;
+    return false;
+  }));
+  REQUIRE(bb_trainer_revoke(t.h, id, bb_now_ns() + 2'000'000'000ull) == BB_OK);
+  bb_start_info_t info{sizeof info};
+  const bb_status st = bb_task_wait_start(task, 100'000'000, &info);
+  INFO("started with grant " << info.grant_id << " at " << info.grant_ptr);
+  CHECK(st == BB_E_TIMEOUT);  // the start was handed back, and no other came in this bubble
+  // It said so at once: the revoke is acked without anything mapped, the task not killed.
+  REQUIRE(eventually([&] { return t.grants().revokes_acked == 1; }));
+  CHECK(t.grants().tasks_killed == 0);
+  CHECK(grant != 0);
+  CHECK(bb_bubble_end(t.h) == BB_OK);
+  bb_task_detach(task);
+  check_lender_empty(t.grants());
+}
+
 TEST_CASE("a_grant_its_task_cannot_unmap_is_never_said_to_be_free") {
   RuntimeDir dir;
   ScopedEnv env("BUBBLE_CUDA_DRIVER", double_path());

@@ -234,6 +234,42 @@ TEST_CASE("task_killed_mid_step_is_reclaimed_and_trainer_goes_on") {
   CHECK(bbtest::dev_shm() == shm_before);
 }
 
+TEST_CASE("a_task_its_trainer_dropped_takes_no_start_of_the_slots_next_task") {
+  // The process that attached exits and leaves the task to a fork: the trainer reclaims the
+  // slot and gives it to the next task. The fork, still mapping the hub, must not take the next
+  // task's starts for its own: it is told it was dropped.
+  RuntimeDir dir;
+  Trainer t("stale");
+  Child task(task_args("stale", "forked", "fork-stale", {"--wake", "spin"}), true);
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  const std::string forked = task.wait_line("FORKED");
+  REQUIRE(forked != "");
+  const pid_t child = pid_t(std::stol(forked.substr(7)));
+  struct KillChild {
+    pid_t pid;
+    ~KillChild() { kill(pid, SIGKILL); }
+  } kill_child{child};
+  CHECK(task.wait_exit() == 0);
+  REQUIRE(t.bubbles_until([&] { return t.stats().tasks_reclaimed == 1; }, 500));
+  bb_task_options_t o;
+  bb_task_options_init(&o);
+  bb_task_h next = nullptr;
+  REQUIRE(bb_task_attach("stale", 0, "next", &o, &next) == BB_OK);
+  // The next task runs in the reused slot.
+  REQUIRE(bb_bubble_begin(t.h, 100'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+  bb_start_info_t info{sizeof info};
+  REQUIRE(bb_task_wait_start(next, 5'000'000'000, &info) == BB_OK);
+  auto tasks = t.tasks();
+  REQUIRE(tasks.size() == 1);
+  CHECK(tasks[0].slot == 0);  // the slot the forked task had (the first)
+  REQUIRE(task.write_stdin("go\n"));
+  const std::string result = task.wait_line("RESULT");
+  CHECK(result.rfind("RESULT BB_E_TRAINER_GONE ", 0) == 0);
+  CHECK(bb_bubble_end(t.h) == BB_OK);
+  bb_task_ack_pause(next);
+  bb_task_detach(next);
+}
+
 TEST_CASE("trainer_killed_task_exits_by_default") {
   RuntimeDir dir;
   Child trainer({trainer_bin(), "tk", "0"});
