@@ -846,17 +846,25 @@ TEST_CASE("task_without_a_cuda_driver_gives_a_cuda_grant_back") {
   check_lender_empty(s);
 }
 
+// A task attached from this process (the tests' own thread), needing mem_need bytes.
+bb_task_h attach_in_process(const char* job, const char* name, uint64_t mem_need) {
+  bb_task_options_t o;
+  bb_task_options_init(&o);
+  o.mem_need = mem_need;
+  bb_task_h task = nullptr;
+  const bb_status st = bb_task_attach(job, 0, name, &o, &task);
+  INFO(bb_last_error());
+  REQUIRE(st == BB_OK);
+  return task;
+}
+
 TEST_CASE("a_task_in_the_trainers_own_process_is_never_killed_for_its_grant") {
   // A holder past its revoke deadline is killed: one in the trainer's own process would take
   // the trainer with it. It is kept like a holder the kill cannot reach.
   RuntimeDir dir;
   Trainer t("self");
   t.lend(BB_GRANT_HOST, kMiB);
-  bb_task_options_t o;
-  bb_task_options_init(&o);
-  o.mem_need = 65536;
-  bb_task_h task = nullptr;
-  REQUIRE(bb_task_attach("self", 0, "inproc", &o, &task) == BB_OK);
+  bb_task_h task = attach_in_process("self", "inproc", 65536);
   // Mapped (a grant never mapped is believed given back, and nobody is killed for it): the
   // task maps what it is offered while it waits for a start.
   REQUIRE(eventually([&] {
@@ -881,11 +889,7 @@ TEST_CASE("a_start_whose_grant_was_revoked_before_the_task_looked_is_handed_back
   RuntimeDir dir;
   Trainer t("withdrawn");
   t.lend(BB_GRANT_HOST, kMiB);
-  bb_task_options_t o;
-  bb_task_options_init(&o);
-  o.mem_need = 65536;
-  bb_task_h task = nullptr;
-  REQUIRE(bb_task_attach("withdrawn", 0, "needs", &o, &task) == BB_OK);
+  bb_task_h task = attach_in_process("withdrawn", "needs", 65536);
   const uint64_t id = t.task_id("needs");
   REQUIRE(eventually([&] { return t.grant_of(id).id != 0; }));  // granted when it attached
   const uint64_t grant = t.grant_of(id).id;
