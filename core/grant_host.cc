@@ -55,6 +55,11 @@ class HostExporter final : public GrantExporter {
 
   bb_status create(uint64_t offset, uint64_t size, GrantHandle* h, std::string* error) override {
     if (!range_ok(offset, size, error)) return BB_E_INVALID;
+    if (hole_) {
+      *error = "the lent host range lost part of its address-space reservation when a mapping "
+               "failed, so nothing more is mapped into it: unlend and lend again";
+      return BB_E_STATE;
+    }
     // A new memfd every time, never a recycled one: the kernel hands out its pages zero-filled,
     // so no grant shows what an earlier holder left, and no memset is needed.
     int fd = memfd_create("bubble-grant", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -72,8 +77,16 @@ class HostExporter final : public GrantExporter {
     if (fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)
       return fail("sealing the memfd", BB_E_SYSTEM);
     void* at = reinterpret_cast<void*>(address(offset));
-    if (mmap(at, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED)
+    if (mmap(at, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+      // The kernel may have unmapped the reservation before it failed: reserve the range again,
+      // or another mmap of this process could land there and a later grant map over it.
+      const int e = errno;
+      if (mmap(at, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1,
+               0) == MAP_FAILED)
+        hole_ = true;
+      errno = e;
       return fail("mapping the memfd into the lent range", BB_E_NOMEM);
+    }
     *h = GrantHandle{};
     h->map_offset = 0;
     h->map_size = size;
@@ -99,6 +112,7 @@ class HostExporter final : public GrantExporter {
   }
 
  private:
+  bool hole_ = false;  // a failed map left part of the range unreserved: no more grants
   bool range_ok(uint64_t offset, uint64_t size, std::string* error) const {
     if (size == 0 || ((offset | size) & (align_ - 1)) || offset > capacity_ ||
         size > capacity_ - offset) {
