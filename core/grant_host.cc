@@ -26,7 +26,9 @@ std::string errno_text() { return std::string(strerror(errno)); }
 class HostExporter final : public GrantExporter {
  public:
   ~HostExporter() override {
-    if (base_ != MAP_FAILED) munmap(base_, capacity_);
+    // With a hole in the reservation, another mapping of this process may sit in it: the range
+    // is left reserved (address space only) rather than unmapped over it.
+    if (base_ != MAP_FAILED && !hole_) munmap(base_, capacity_);
   }
   bb_status init(uint64_t bytes, std::string* error) {
     align_ = page_size();
@@ -105,6 +107,7 @@ class HostExporter final : public GrantExporter {
              0) == MAP_FAILED) {
       *error = "unmapping a host grant failed: " + errno_text();
       st = BB_E_SYSTEM;
+      hole_ = true;  // the kernel may have unmapped it before failing
     }
     if (h->fd >= 0) close(h->fd);
     h->fd = -1;

@@ -3,8 +3,8 @@
 // makes the record consistent lives in one place.
 //
 // Sync points:
-//   G1: service writes the record between two grant_seq stores (odd, then even, release), then
-//       stores grant_id/revoke_id (release), then bumps grant_change (release)
+//   G1: service writes the record, grant_id, revoke_id and its deadline between two grant_seq
+//       stores (odd, then even, release), then bumps grant_change (release)
 //       -> task loads grant_change (acquire), then reads the words and the record under grant_seq.
 //   G2: task stores TaskPage::grant_released (release) after unmapping
 //       -> service loads it (acquire) and only then releases the memory.

@@ -278,6 +278,14 @@ void Task::check_trainer_while_running() const {
   if (trainer_gone()) trainer_lost_ = true;
 }
 
+bb_status Task::left_slot(uint64_t wait_until) {
+  if (opts_.on_trainer_exit == BB_ON_TRAINER_EXIT_WAIT) return reattach(wait_until);
+  release();
+  return fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u dropped this task from its slot (the "
+              "process that attached it exited, or its connection broke): attach again",
+              job_.c_str(), rank_);
+}
+
 bb_status Task::reattach(uint64_t wait_until) {
   release();
   if (opts_.on_trainer_exit != BB_ON_TRAINER_EXIT_WAIT)
@@ -396,19 +404,19 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
   // a fork, or the connection broke): the slot's starts are not ours any more, whoever's they
   // are now. Checked here, off the path from a start to its task, and by every liveness look.
   if (trainer_lost_ || slot_lost()) {
-    if (slot_lost() && opts_.on_trainer_exit != BB_ON_TRAINER_EXIT_WAIT) {
-      release();
-      return fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u dropped this task from its slot "
-                  "(the process that attached it exited, or its connection broke): attach "
-                  "again", job_.c_str(), rank_);
-    }
-    bb_status st = reattach(until);
+    bb_status st = slot_lost() ? left_slot(until) : reattach(until);
     if (st != BB_OK) return st;
   }
   if (epoch_ != 0) ack_pause();  // waiting again means the previous run is over
   uint64_t seen_ns = 0;  // when the last wait saw the doorbell move
   for (;;) {
     const uint32_t bell = ctl_->doorbell.load(std::memory_order_acquire);
+    // Dropped while we waited, and the slot given to another task: its starts and grants are
+    // not ours (the generation is on the line of the bell just read).
+    if (slot_reused()) {
+      if (const bb_status st = left_slot(until); st != BB_OK) return st;
+      continue;
+    }
     // After loading the bell: a grant change made after this look also moves the bell.
     const uint64_t held = grant_id_;
     if (const bb_status gs = sync_grant(kUnmap | kMap); gs != BB_OK) return gs;
@@ -443,7 +451,7 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
           ack(cmd.epoch, false);
           return gs;
         }
-        if (grant_id_ != cmd.grant_id) {
+        if (grant_id_ != cmd.grant_id && opts_.mem_need != 0) {
           // Taken back before we could map it (revoked after the bubble thread picked us): a
           // task with a mem_need runs only with its grant, so the start is handed back as if
           // yielded at once, and we wait for the next.
@@ -520,7 +528,7 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
     if (shm::spin_until_changed(word, bell, std::min<uint64_t>(until - now, kLivenessSliceNs),
                                 seen_ns))
       return BB_OK;
-    return trainer_gone() ? reattach(until) : BB_OK;
+    return !trainer_gone() ? BB_OK : slot_lost() ? left_slot(until) : reattach(until);
   }
   uint64_t spin = std::min<uint64_t>(spin_ns_, until - now);
   uint64_t sleep_until = until;
@@ -583,7 +591,8 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
     else
       spin_ns_ = std::max<uint64_t>(spin_ns_ / 2, std::min<uint64_t>(kMinSpinNs, opts_.spin_ns));
   }
-  if (w == shm::WaitResult::kTimeout && trainer_gone()) return reattach(until);
+  if (w == shm::WaitResult::kTimeout && trainer_gone())
+    return slot_lost() ? left_slot(until) : reattach(until);
   return BB_OK;
 }
 

@@ -106,6 +106,12 @@ class Task {
     return ctl_->generation.load(std::memory_order_relaxed) != generation_ ||
            ctl_->state.load(std::memory_order_acquire) != uint32_t(shm::SlotState::kActive);
   }
+  // The same, on the signal line a waiting task reads anyway: whether the slot is another's now.
+  bool slot_reused() const {
+    return ctl_->signal_generation.load(std::memory_order_relaxed) != generation_;
+  }
+  // The trainer dropped us: told as such, or re-attached (BB_ON_TRAINER_EXIT_WAIT).
+  bb_status left_slot(uint64_t wait_until);
 
   uint32_t epoch_ = 0;          // the epoch we run in; 0 = not running
   // The start we run under, as the slot's start block gave it.

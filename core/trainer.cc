@@ -1042,6 +1042,7 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   SlotCtl* ctl = slot_ctl(i);
   const uint32_t gen = ctl->generation.load(std::memory_order_relaxed) + 1;
   ctl->generation.store(gen, std::memory_order_relaxed);
+  ctl->signal_generation.store(gen, std::memory_order_relaxed);
   ctl->run_epoch.store(0, std::memory_order_relaxed);
   ctl->stop.store(0, std::memory_order_relaxed);
   ctl->bad.store(0, std::memory_order_relaxed);

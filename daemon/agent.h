@@ -72,6 +72,8 @@ struct Hub {
   // Its first snapshot since it was opened was reconciled: attached rows of this hub it did not
   // show had detached before (while the agent was down, or from an earlier trainer).
   bool reconciled = false;
+  // The socket file its observer was opened on (0: unknown), to tell a new trainer's apart.
+  uint64_t sock_ino = 0;
 };
 
 // A task process the agent supervises (a child, or re-adopted through a pidfd after a restart).

@@ -7,6 +7,7 @@
 
 #include <dirent.h>
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <unistd.h>
 
@@ -17,6 +18,16 @@
 namespace bb::daemon {
 
 namespace {
+// The inode of hub (job, rank)'s socket file, 0 when there is none.
+uint64_t socket_inode(const std::string& runtime_dir, const std::string& job, uint32_t rank) {
+  std::string path;
+  struct stat st;
+  if (core::hub_paths(runtime_dir, job.c_str(), rank, &path, nullptr) != BB_OK ||
+      stat(path.c_str(), &st) != 0)
+    return 0;
+  return uint64_t(st.st_ino);
+}
+
 constexpr size_t kMaxEventsPerHub = 131072;
 // A hub whose trainer went away stays listed (status, metrics, traces of its last events) with
 // the newest of its events, until more than this many such hubs are kept: a long-lived agent
@@ -242,6 +253,13 @@ void Agent::open_failed(const std::string& name, const std::string& error) {
     retry_hubs_.erase(name);
     return;
   }
+  std::string job;
+  uint32_t rank;
+  if (parse_hub_name(name, &job, &rank) && socket_inode(cfg_.runtime_dir, job, rank) == 0) {
+    // Its socket is gone (its trainer closed the hub): the directory watch sees a new one.
+    retry_hubs_.erase(name);
+    return;
+  }
   OpenRetry& r = retry_hubs_[name];
   if (r.round < kMaxOpenRetries) {
     r.due_ms = uv_now(loop_) + kRetryDelaysMs[r.round++];
@@ -287,6 +305,7 @@ void Agent::install_hub(const std::string& job, uint32_t rank,
   hub->job = job;
   hub->rank = rank;
   hub->obs = std::move(obs);
+  hub->sock_ino = socket_inode(cfg_.runtime_dir, job, rank);
   hub->alive = true;
   hub->poll = new uv_poll_t;
   uv_poll_init(loop_, hub->poll, hub->obs->fd());
@@ -345,11 +364,11 @@ void Agent::on_hub_gone(Hub* hub, const char* why) {
   }
   hub->task_rows.clear();
   hub->enforce.clear();
-  // A socket under its name: a new trainer's that came before this one's hang-up was seen (the
-  // change of the directory found this hub still open), or a killed trainer's left behind.
-  std::string sock;
-  if (core::hub_paths(cfg_.runtime_dir, hub->job.c_str(), hub->rank, &sock, nullptr) == BB_OK &&
-      access(sock.c_str(), F_OK) == 0) {
+  // Another socket under its name: a new trainer's, bound before this one's hang-up was seen
+  // (the change of the directory found this hub still open). Its own socket, which a closing
+  // trainer removes last and a killed one leaves, is not tried.
+  const uint64_t ino = socket_inode(cfg_.runtime_dir, hub->job, hub->rank);
+  if (ino != 0 && ino != hub->sock_ino) {
     open_hub_afresh(hub->job, hub->rank);
     arm_open_retry();
   }

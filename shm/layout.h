@@ -23,7 +23,8 @@ constexpr uint64_t kPageMagic = 0x3147415042425542ull;  // "BUBBPAG1"
 // 2: the event log became one stream per writer; the slot's first line became its signal line.
 // 4: the command ring is gone (the signal line carries every start and pause).
 // 5: HubStats::alive, the trainer's life readable with one load.
-constexpr uint32_t kLayoutVersion = 5;
+// 6: SlotCtl::signal_generation, the slot's attach on its signal line.
+constexpr uint32_t kLayoutVersion = 6;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kNameBytes = 48;  // BB_NAME_MAX + NUL
 constexpr uint32_t kReportRingSize = 64;
@@ -150,7 +151,9 @@ struct alignas(kCacheLine) SlotCtl {
   // revoke asked, a grant taken back). A task holding a grant compares it in should_pause, so it
   // sits on the line the task reads anyway; it changes rarely.
   std::atomic<uint32_t> grant_change;
-  uint32_t reserved0;
+  // The attach this slot serves (= generation), where a waiting task reads it with its start:
+  // a task the trainer dropped (and whose slot went to another) takes no start of the next.
+  std::atomic<uint32_t> signal_generation;
   // Slot control, read when the task acks, attaches or stops.
   alignas(kCacheLine) std::atomic<uint32_t> stop;  // 1: finish and detach
   std::atomic<uint32_t> state;       // SlotState

@@ -428,6 +428,34 @@ def test_a_stopped_trainer_does_not_hold_up_the_agent(env):
                lambda: (h := env.hub("j:0")) and h["alive"])
 
 
+def test_a_hub_that_closes_or_whose_trainer_is_killed_is_not_tried_again(env):
+    """A trainer that closes its hub removes its socket last, and a killed one leaves it: in
+    neither case is the agent to connect to it again when the hub hangs up (only a new
+    trainer's socket under the name is, or any socket once the directory changes)."""
+    env.start_agent("--verbose")
+
+    def tries(name):
+        return [line for line in env.log_lines()
+                if f"hub {name} not ready" in line or f"hub {name}: no trainer answers" in line]
+
+    killed = env.trainer("killed", 0, duration=60)
+    wait_until("hub killed:0 seen", lambda: (h := env.hub("killed:0")) and h["alive"])
+    killed.kill()
+    wait_until("hub killed:0 gone", lambda: not env.hub("killed:0")["alive"])
+    time.sleep(1)  # tries 10, 30, 100 and 300 ms after each other would be in the log by now
+    assert not tries("killed:0")
+    closing = env.trainer("closes", 0, duration=1)
+    wait_until("hub closes:0 seen", lambda: (h := env.hub("closes:0")) and h["alive"])
+    assert closing.wait(timeout=30) == 0
+    wait_until("hub closes:0 gone", lambda: not env.hub("closes:0")["alive"])
+    time.sleep(1)
+    assert not tries("closes:0")
+    # A new trainer under a name is opened.
+    again = env.trainer("closes", 0, duration=60)
+    wait_until("the new trainer's hub", lambda: (h := env.hub("closes:0")) and h["alive"])
+    again.kill()
+
+
 def test_hubs_whose_trainers_went_away_are_kept_only_up_to_a_bound(env):
     """Every training run may bring a new job id: the agent keeps the newest hubs whose trainers
     went away (listed, with their last events), not all of them for good."""

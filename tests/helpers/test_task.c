@@ -17,6 +17,9 @@
  *                     and the child, which keeps the task, waits for a line on stdin, then
  *                     waits up to 2 s for a start and prints its RESULT (a task its trainer
  *                     dropped with the process that attached it, left to a fork)
+ *         fork-stale-waiting  the same, but the process that attached prints "FORKED <pid>"
+ *                     and waits to be killed, and the child prints WAITING and at once waits
+ *                     up to 20 s for a start, then prints its RESULT
  *   --step-us N, --prio N, --mem N, --min-step-us N, --max-steps N (then BB_STEP_DONE),
  *   --idle N (iterative): an idle callback that prints "IDLE <n>" (n counts the calls since the
  *   last bubble, from 1; " in-bubble" follows if it came inside one) and returns BB_STEP_DONE at
@@ -289,7 +292,8 @@ int main(int argc, char **argv) {
       bb_task_ack_pause(task);
       point("acked");
     }
-  } else if (!strcmp(mode, "fork-stale")) {
+  } else if (!strcmp(mode, "fork-stale") || !strcmp(mode, "fork-stale-waiting")) {
+    const int at_once = !strcmp(mode, "fork-stale-waiting");
     const pid_t child = fork();
     if (child < 0) {
       perror("fork");
@@ -298,12 +302,19 @@ int main(int argc, char **argv) {
     if (child > 0) {
       printf("FORKED %d\n", (int)child);
       fflush(stdout);
+      if (at_once)
+        for (;;) pause();
       _exit(0);
     }
-    char line[16];
-    if (!fgets(line, sizeof line, stdin)) return 1;
+    if (at_once) {
+      printf("WAITING\n");
+      fflush(stdout);
+    } else {
+      char line[16];
+      if (!fgets(line, sizeof line, stdin)) return 1;
+    }
     bb_start_info_t info = {sizeof info};
-    st = bb_task_wait_start(task, 2000000000, &info);
+    st = bb_task_wait_start(task, at_once ? 20000000000 : 2000000000, &info);
     starts += st == BB_OK;
   } else if (!strcmp(mode, "ignore")) {
     for (;;) pause();

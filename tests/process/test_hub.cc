@@ -234,6 +234,46 @@ TEST_CASE("task_killed_mid_step_is_reclaimed_and_trainer_goes_on") {
   CHECK(bbtest::dev_shm() == shm_before);
 }
 
+namespace {
+
+// A forked child of a task helper (fork-stale modes), killed when the test ends.
+struct ForkedTask {
+  pid_t pid = -1;
+  explicit ForkedTask(Child& task) {
+    const std::string forked = task.wait_line("FORKED");
+    REQUIRE(forked != "");
+    pid = pid_t(std::stol(forked.substr(7)));
+  }
+  ~ForkedTask() {
+    if (pid > 0) kill(pid, SIGKILL);
+  }
+};
+
+// Once the helper that attached is gone: its slot reclaimed, then given to a task of this
+// process, which is started in an open bubble. Returns that task.
+bb_task_h reuse_the_slot(Trainer& t, const char* job) {
+  REQUIRE(t.bubbles_until([&] { return t.stats().tasks_reclaimed == 1; }, 500));
+  bb_task_options_t o;
+  bb_task_options_init(&o);
+  bb_task_h next = nullptr;
+  REQUIRE(bb_task_attach(job, 0, "next", &o, &next) == BB_OK);
+  REQUIRE(bb_bubble_begin(t.h, 100'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+  bb_start_info_t info{sizeof info};
+  REQUIRE(bb_task_wait_start(next, 5'000'000'000, &info) == BB_OK);
+  const auto tasks = t.tasks();
+  REQUIRE(tasks.size() == 1);
+  CHECK(tasks[0].slot == 0);  // the slot the forked task had (the first)
+  return next;
+}
+
+void end_the_reuse(Trainer& t, bb_task_h next) {
+  CHECK(bb_bubble_end(t.h) == BB_OK);
+  bb_task_ack_pause(next);
+  bb_task_detach(next);
+}
+
+}  // namespace
+
 TEST_CASE("a_task_its_trainer_dropped_takes_no_start_of_the_slots_next_task") {
   // The process that attached exits and leaves the task to a fork: the trainer reclaims the
   // slot and gives it to the next task. The fork, still mapping the hub, must not take the next
@@ -242,32 +282,32 @@ TEST_CASE("a_task_its_trainer_dropped_takes_no_start_of_the_slots_next_task") {
   Trainer t("stale");
   Child task(task_args("stale", "forked", "fork-stale", {"--wake", "spin"}), true);
   REQUIRE(task.wait_line("ATTACHED") != "");
-  const std::string forked = task.wait_line("FORKED");
-  REQUIRE(forked != "");
-  const pid_t child = pid_t(std::stol(forked.substr(7)));
-  struct KillChild {
-    pid_t pid;
-    ~KillChild() { kill(pid, SIGKILL); }
-  } kill_child{child};
+  ForkedTask forked(task);
   CHECK(task.wait_exit() == 0);
-  REQUIRE(t.bubbles_until([&] { return t.stats().tasks_reclaimed == 1; }, 500));
-  bb_task_options_t o;
-  bb_task_options_init(&o);
-  bb_task_h next = nullptr;
-  REQUIRE(bb_task_attach("stale", 0, "next", &o, &next) == BB_OK);
-  // The next task runs in the reused slot.
-  REQUIRE(bb_bubble_begin(t.h, 100'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
-  bb_start_info_t info{sizeof info};
-  REQUIRE(bb_task_wait_start(next, 5'000'000'000, &info) == BB_OK);
-  auto tasks = t.tasks();
-  REQUIRE(tasks.size() == 1);
-  CHECK(tasks[0].slot == 0);  // the slot the forked task had (the first)
+  bb_task_h next = reuse_the_slot(t, "stale");
   REQUIRE(task.write_stdin("go\n"));
-  const std::string result = task.wait_line("RESULT");
-  CHECK(result.rfind("RESULT BB_E_TRAINER_GONE ", 0) == 0);
-  CHECK(bb_bubble_end(t.h) == BB_OK);
-  bb_task_ack_pause(next);
-  bb_task_detach(next);
+  CHECK(task.wait_line("RESULT").rfind("RESULT BB_E_TRAINER_GONE ", 0) == 0);
+  end_the_reuse(t, next);
+}
+
+TEST_CASE("a_task_its_trainer_dropped_while_it_waited_takes_no_start_of_the_slots_next_task") {
+  // The same, with the fork already waiting for a start when its slot is reclaimed and given to
+  // the next task: it wakes to the next task's start and must see that it is not its own. It is
+  // stopped meanwhile, so that no liveness look of its wait notices the reclaim first.
+  RuntimeDir dir;
+  Trainer t("stalew");
+  Child task(task_args("stalew", "forked", "fork-stale-waiting", {"--wake", "spin"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  ForkedTask forked(task);
+  REQUIRE(task.wait_line("WAITING") != "");
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // well inside its wait
+  REQUIRE(kill(forked.pid, SIGSTOP) == 0);
+  task.signal(SIGKILL);  // the process that attached
+  task.wait_exit();
+  bb_task_h next = reuse_the_slot(t, "stalew");
+  REQUIRE(kill(forked.pid, SIGCONT) == 0);
+  CHECK(task.wait_line("RESULT").rfind("RESULT BB_E_TRAINER_GONE ", 0) == 0);
+  end_the_reuse(t, next);
 }
 
 TEST_CASE("trainer_killed_task_exits_by_default") {

@@ -455,6 +455,10 @@ pub struct BubbleGuard<'a> {
     _bubble_thread: PhantomData<&'a mut ()>,
 }
 
+// SAFETY: the guard only ends its bubble, which may be done from any thread (one at a time:
+// the guard is not Sync and is used through `self`).
+unsafe impl Send for BubbleGuard<'_> {}
+
 impl BubbleGuard<'_> {
     /// Ends the bubble now and reports the status.
     pub fn end(self) -> Result<()> {

@@ -147,6 +147,10 @@ fn dropping_the_trainer_removes_the_hub() {
 
 #[test]
 fn a_shared_trainer_makes_its_bubble_calls_through_its_one_bubble_thread() {
+    // Both may move to the thread that makes the bubble calls.
+    fn is_send<T: Send>() {}
+    is_send::<bubble::BubbleThread<'static>>();
+    is_send::<bubble::BubbleGuard<'static>>();
     let env = Env::new();
     let trainer = Arc::new(env.trainer());
     let bubbles_thread = {
