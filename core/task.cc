@@ -278,8 +278,8 @@ void Task::check_trainer_while_running() const {
   if (trainer_gone()) trainer_lost_ = true;
 }
 
-bb_status Task::left_slot(uint64_t wait_until) {
-  if (opts_.on_trainer_exit == BB_ON_TRAINER_EXIT_WAIT) return reattach(wait_until);
+bb_status Task::lose_trainer(uint64_t wait_until) {
+  if (!slot_lost() || opts_.on_trainer_exit == BB_ON_TRAINER_EXIT_WAIT) return reattach(wait_until);
   release();
   return fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u dropped this task from its slot (the "
               "process that attached it exited, or its connection broke): attach again",
@@ -404,7 +404,7 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
   // a fork, or the connection broke): the slot's starts are not ours any more, whoever's they
   // are now. Checked here, off the path from a start to its task, and by every liveness look.
   if (trainer_lost_ || slot_lost()) {
-    bb_status st = slot_lost() ? left_slot(until) : reattach(until);
+    bb_status st = lose_trainer(until);
     if (st != BB_OK) return st;
   }
   if (epoch_ != 0) ack_pause();  // waiting again means the previous run is over
@@ -414,7 +414,7 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
     // Dropped while we waited, and the slot given to another task: its starts and grants are
     // not ours (the generation is on the line of the bell just read).
     if (slot_reused()) {
-      if (const bb_status st = left_slot(until); st != BB_OK) return st;
+      if (const bb_status st = lose_trainer(until); st != BB_OK) return st;
       continue;
     }
     // After loading the bell: a grant change made after this look also moves the bell.
@@ -528,7 +528,7 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
     if (shm::spin_until_changed(word, bell, std::min<uint64_t>(until - now, kLivenessSliceNs),
                                 seen_ns))
       return BB_OK;
-    return !trainer_gone() ? BB_OK : slot_lost() ? left_slot(until) : reattach(until);
+    return trainer_gone() ? lose_trainer(until) : BB_OK;
   }
   uint64_t spin = std::min<uint64_t>(spin_ns_, until - now);
   uint64_t sleep_until = until;
@@ -591,8 +591,7 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
     else
       spin_ns_ = std::max<uint64_t>(spin_ns_ / 2, std::min<uint64_t>(kMinSpinNs, opts_.spin_ns));
   }
-  if (w == shm::WaitResult::kTimeout && trainer_gone())
-    return slot_lost() ? left_slot(until) : reattach(until);
+  if (w == shm::WaitResult::kTimeout && trainer_gone()) return lose_trainer(until);
   return BB_OK;
 }
 

@@ -110,8 +110,9 @@ class Task {
   bool slot_reused() const {
     return ctl_->signal_generation.load(std::memory_order_relaxed) != generation_;
   }
-  // The trainer dropped us: told as such, or re-attached (BB_ON_TRAINER_EXIT_WAIT).
-  bb_status left_slot(uint64_t wait_until);
+  // The trainer is gone for us (it closed or exited, or dropped us from our slot): re-attaches
+  // (BB_ON_TRAINER_EXIT_WAIT) or says which of the two it was.
+  bb_status lose_trainer(uint64_t wait_until);
 
   uint32_t epoch_ = 0;          // the epoch we run in; 0 = not running
   // The start we run under, as the slot's start block gave it.

@@ -9,8 +9,6 @@
 #include <signal.h>
 #include <sys/stat.h>
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <system_error>
 #include <thread>
@@ -57,6 +55,10 @@ struct HubOpen {
   std::unique_ptr<core::HubObserver> obs;
   std::string error;
 
+  HubOpen(Agent* a, const std::string& dir, const std::string& j, uint32_t r)
+      : agent(a), runtime_dir(dir), job(j), name(j + ":" + std::to_string(r)), rank(r) {
+    req.data = this;
+  }
   void run() { st = core::HubObserver::open(runtime_dir, job, rank, &obs, &error, kTrainerAnswerMs); }
 };
 
@@ -174,15 +176,8 @@ void Agent::open_hub_afresh(const std::string& job, uint32_t rank) {
 
 void Agent::open_hubs_now(const std::vector<core::HubName>& hubs) {
   std::vector<std::unique_ptr<HubOpen>> opens;
-  for (const core::HubName& h : hubs) {
-    auto o = std::make_unique<HubOpen>();
-    o->agent = this;
-    o->runtime_dir = cfg_.runtime_dir;
-    o->job = h.job;
-    o->rank = h.rank;
-    o->name = h.job + ":" + std::to_string(h.rank);
-    opens.push_back(std::move(o));
-  }
+  for (const core::HubName& h : hubs)
+    opens.push_back(std::make_unique<HubOpen>(this, cfg_.runtime_dir, h.job, h.rank));
   // In parallel: trainers that do not answer cost the start one timeout per batch, not one
   // each. Where no thread can be had (a limit on processes), the rest are opened one by one.
   for (size_t from = 0; from < opens.size(); from += kStartOpenThreads) {
@@ -205,13 +200,7 @@ void Agent::try_open_hub(const std::string& job, uint32_t rank) {
   auto it = hubs_.find(name);
   if (it != hubs_.end() && it->second->alive) return;
   if (opening_.count(name)) return;  // its answer is on the way
-  auto o = std::make_unique<HubOpen>();
-  o->agent = this;
-  o->runtime_dir = cfg_.runtime_dir;
-  o->job = job;
-  o->rank = rank;
-  o->name = name;
-  o->req.data = o.get();
+  auto o = std::make_unique<HubOpen>(this, cfg_.runtime_dir, job, rank);
   const int rc = uv_queue_work(loop_, &o->req, HubCallbacks::on_open_work,
                                HubCallbacks::on_open_done);
   if (rc < 0) {
