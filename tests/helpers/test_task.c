@@ -13,12 +13,12 @@
  *                     GRANT, then never calls libbubble again (a task that ignores a revoke)
  *         grant-leave waits for a start with a grant, writes it, then closes its sockets and
  *                     sleeps (a task that leaves its slot still mapping the grant)
- *         fork-stale  forks; the process that attached prints "FORKED <child pid>" and exits,
- *                     and the child, which keeps the task, waits for a line on stdin, then
+ *         fork-stale  forks; the process that attached exits, and the child, which keeps the
+ *                     task, prints "FORKED <its pid>", waits for a line on stdin, then
  *                     waits up to 2 s for a start and prints its RESULT (a task its trainer
  *                     dropped with the process that attached it, left to a fork)
- *         fork-stale-waiting  the same, but the process that attached prints "FORKED <pid>"
- *                     and waits to be killed, and the child prints WAITING and at once waits
+ *         fork-stale-waiting  the same, but the process that attached waits to be killed, and
+ *                     the child prints "FORKED <its pid>" and WAITING and at once waits
  *                     up to 20 s for a start, then prints its RESULT
  *   --step-us N, --prio N, --mem N, --min-step-us N, --max-steps N (then BB_STEP_DONE),
  *   --idle N (iterative): an idle callback that prints "IDLE <n>" (n counts the calls since the
@@ -300,16 +300,15 @@ int main(int argc, char **argv) {
       return 1;
     }
     if (child > 0) {
-      printf("FORKED %d\n", (int)child);
-      fflush(stdout);
       if (at_once)
         for (;;) pause();
       _exit(0);
     }
-    if (at_once) {
-      printf("WAITING\n");
-      fflush(stdout);
-    } else {
+    /* Both lines from the child, so they come in this order whichever process runs first. */
+    printf("FORKED %d\n", (int)getpid());
+    if (at_once) printf("WAITING\n");
+    fflush(stdout);
+    if (!at_once) {
       char line[16];
       if (!fgets(line, sizeof line, stdin)) return 1;
     }
