@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <deque>
 #include <map>
 
 #include "core/clock.h"
@@ -33,10 +34,23 @@ struct HubObserver::Impl {
   // The connection failed or carried something it should not: it is shut down (its descriptor
   // stays, for whoever polls fd()) and alive() is false.
   mutable bool broken = false;
-  // Answers owed by the trainer for requests that timed out. The trainer answers in order, so
-  // they come before any later request's: they are read and dropped first, and until they came
-  // no request is sent (a late answer is never taken for a later request's).
-  mutable uint32_t owed = 0;
+  // Requests sent and not answered yet, oldest first. The trainer answers in order, so an
+  // answer is always the oldest's. A request its caller stopped waiting for (it timed out) is
+  // still owed its answer, which is read and dropped: no late answer is taken for a later
+  // request's.
+  struct Pending {
+    shm::MsgType type;
+    uint32_t slot = 0;
+    uint32_t gen = 0;
+    bool dropped = false;
+  };
+  mutable std::deque<Pending> pending;
+  // At most this many requests are in flight without waiting (set_async). Their answers then
+  // fit the trainer's socket buffer many times over: the trainer never has to drop one (it
+  // answers without blocking), so the order above holds.
+  static constexpr size_t kMaxInFlight = 8;
+  bool async = false;
+  mutable std::vector<StopAnswer> stop_answers;  // read, not yet handed out by pump()
   uint32_t timeout_ms = 5000;
 
   bb_status break_off(bb_status st, std::string* error, const std::string& why) const {
@@ -45,72 +59,119 @@ struct HubObserver::Impl {
     if (error) *error = why;
     return st;
   }
+  static bb_status say(bb_status st, std::string* error, const char* why) {
+    if (error) *error = why;
+    return st;
+  }
 
-  // One request, one reply: the observer's connection carries nothing else.
-  bb_status request(shm::MsgType type, uint32_t slot, uint32_t gen, int* fd_out,
-                    std::string* error) const {
-    if (broken) {
-      if (error) *error = "the connection to the trainer is closed";
-      return BB_E_TRAINER_GONE;
-    }
-    alignas(8) char buf[shm::kWireMaxMessage];
-    int fds[2], nfds;
-    while (owed > 0) {
-      const long late = shm::recv_msg(sock.get(), buf, fds, &nfds, MSG_DONTWAIT);
-      shm::Fd l0(fds[0]), l1(fds[1]);
-      if (late == -EAGAIN || late == -EWOULDBLOCK) {
-        if (error) *error = "the trainer has not yet answered an earlier request: try again later";
-        return BB_E_TIMEOUT;
-      }
-      if (late <= 0)
-        return break_off(BB_E_TRAINER_GONE, error, "the trainer closed the observer connection");
-      --owed;
-    }
+  bb_status send(shm::MsgType type, uint32_t slot, uint32_t gen, std::string* error) const {
     auto q = shm::make_msg<shm::SlotRequestMsg>(type);
     q.slot = slot;
     q.generation = gen;
-    if (int e = shm::send_msg(sock.get(), &q, sizeof q, nullptr, 0))
+    if (int e = shm::send_msg(sock.get(), &q, sizeof q, nullptr, 0, async ? MSG_DONTWAIT : 0)) {
+      if (e == EAGAIN || e == EWOULDBLOCK)
+        return say(BB_E_TIMEOUT, error, "the trainer is not reading its requests (busy or "
+                   "stopped?): try again later");
       return break_off(BB_E_TRAINER_GONE, error,
                        std::string("the trainer went away: ") + std::strerror(e));
-    // Waited for with poll, not the socket's receive timeout: whoever watches fd() may have
-    // made the socket non-blocking (libuv's uv_poll does), and a recv would then return at once.
-    pollfd p{sock.get(), POLLIN, 0};
-    int ready;
-    const uint64_t until = now_ns() + uint64_t(timeout_ms) * 1'000'000;
-    do {
-      const uint64_t now = now_ns();
-      ready = poll(&p, 1, now >= until ? 0 : int((until - now + 999'999) / 1'000'000));
-    } while (ready < 0 && errno == EINTR);
-    const long n = ready > 0 ? shm::recv_msg(sock.get(), buf, fds, &nfds, MSG_DONTWAIT) : -EAGAIN;
-    shm::Fd f0(fds[0]), f1(fds[1]);
-    if (n == -EAGAIN || n == -EWOULDBLOCK) {
-      ++owed;
-      if (error) *error = "the trainer did not answer in time (busy or stopped?)";
-      return BB_E_TIMEOUT;
     }
+    pending.push_back({type, slot, gen, false});
+    return BB_OK;
+  }
+
+  // The next answer, if one comes within wait_ms (0: only one already there). BB_E_TIMEOUT if
+  // none did; another status if the connection broke.
+  bb_status read_answer(uint32_t wait_ms, shm::ReplyMsg* r, shm::Fd* fd,
+                        std::string* error) const {
+    if (wait_ms) {
+      // Waited for with poll, not the socket's receive timeout: whoever watches fd() may have
+      // made the socket non-blocking (libuv's uv_poll does), and a recv would return at once.
+      pollfd p{sock.get(), POLLIN, 0};
+      int ready;
+      const uint64_t until = now_ns() + uint64_t(wait_ms) * 1'000'000;
+      do {
+        const uint64_t now = now_ns();
+        ready = poll(&p, 1, now >= until ? 0 : int((until - now + 999'999) / 1'000'000));
+      } while (ready < 0 && errno == EINTR);
+      if (ready <= 0) return BB_E_TIMEOUT;
+    }
+    alignas(8) char buf[shm::kWireMaxMessage];
+    int fds[2], nfds;
+    const long n = shm::recv_msg(sock.get(), buf, fds, &nfds, MSG_DONTWAIT);
+    shm::Fd f0(fds[0]), f1(fds[1]);
+    if (n == -EAGAIN || n == -EWOULDBLOCK) return BB_E_TIMEOUT;
     if (n <= 0)
       return break_off(BB_E_TRAINER_GONE, error, "the trainer closed the observer connection");
+    if (pending.empty())
+      return break_off(BB_E_CORRUPT, error, "the trainer sent an answer to no request");
     if (!shm::check_msg(buf, n, shm::MsgType::kReply, sizeof(shm::ReplyMsg)))
       return break_off(BB_E_CORRUPT, error, "malformed reply from the trainer");
+    std::memcpy(r, buf, sizeof *r);
+    r->error[sizeof r->error - 1] = 0;
+    *fd = std::move(f0);
+    return BB_OK;
+  }
+
+  // Reads the answers already there and settles their requests: a page is mapped, a stop's
+  // outcome kept for pump(), a dropped request's answer discarded. BB_OK unless the
+  // connection broke.
+  bb_status drain(std::string* error) const {
+    for (;;) {
+      shm::ReplyMsg r;
+      shm::Fd fd;
+      const bb_status st = read_answer(0, &r, &fd, error);
+      if (st == BB_E_TIMEOUT) return BB_OK;
+      if (st != BB_OK) return st;
+      const Pending q = pending.front();
+      pending.pop_front();
+      if (q.dropped) continue;
+      if (q.type == shm::MsgType::kGetTaskPage) {
+        if (r.status == BB_OK) map_page(q.slot, q.gen, fd.get());
+      } else {
+        stop_answers.push_back({uint64_t(q.slot) | uint64_t(q.gen) << 32, bb_status(r.status),
+                                r.status == BB_OK ? std::string() : std::string(r.error)});
+      }
+    }
+  }
+
+  // One request, one answer, waited for up to timeout_ms.
+  bb_status request(shm::MsgType type, uint32_t slot, uint32_t gen, int* fd_out,
+                    std::string* error) const {
+    if (broken) return say(BB_E_TRAINER_GONE, error, "the connection to the trainer is closed");
+    if (const bb_status st = drain(error); st != BB_OK) return st;
+    if (!pending.empty())
+      return say(BB_E_TIMEOUT, error,
+                 "the trainer has not yet answered an earlier request: try again later");
+    if (const bb_status st = send(type, slot, gen, error); st != BB_OK) return st;
     shm::ReplyMsg r;
-    std::memcpy(&r, buf, sizeof r);
-    r.error[sizeof r.error - 1] = 0;
+    shm::Fd fd;
+    const bb_status st = read_answer(timeout_ms, &r, &fd, error);
+    if (st == BB_E_TIMEOUT) {
+      pending.back().dropped = true;
+      return say(BB_E_TIMEOUT, error, "the trainer did not answer in time (busy or stopped?)");
+    }
+    if (st != BB_OK) return st;
+    pending.pop_front();
     if (r.status != BB_OK) {
       if (error) *error = r.error;
       return bb_status(r.status);
     }
-    if (fd_out) *fd_out = f0.release();
+    if (fd_out) *fd_out = fd.release();
     return BB_OK;
   }
 
-  const shm::TaskPage* page(uint32_t slot, uint32_t gen) const {
-    auto it = pages.find(slot);
-    if (it != pages.end() && it->second.generation == gen) {
-      return reinterpret_cast<const shm::TaskPage*>(it->second.map.data());
-    }
-    int fd = -1;
-    if (request(shm::MsgType::kGetTaskPage, slot, gen, &fd, nullptr) != BB_OK) return nullptr;
-    shm::Fd owned(fd);
+  // The same without waiting (set_async): the answer is read by a later drain().
+  bb_status send_async(shm::MsgType type, uint32_t slot, uint32_t gen,
+                       std::string* error) const {
+    if (broken) return say(BB_E_TRAINER_GONE, error, "the connection to the trainer is closed");
+    if (const bb_status st = drain(error); st != BB_OK) return st;
+    if (pending.size() >= kMaxInFlight)
+      return say(BB_E_TIMEOUT, error, "the trainer has not answered the earlier requests yet "
+                 "(busy or stopped?): try again later");
+    return send(type, slot, gen, error);
+  }
+
+  const shm::TaskPage* map_page(uint32_t slot, uint32_t gen, int fd) const {
     std::string err;
     if (shm::segment_size(fd) != int64_t(shm::kTaskPageSize)) return nullptr;
     shm::Mapping m = shm::map_segment(fd, shm::kTaskPageSize, false, &err);
@@ -119,6 +180,24 @@ struct HubObserver::Impl {
     p.generation = gen;
     p.map = std::move(m);
     return reinterpret_cast<const shm::TaskPage*>(p.map.data());
+  }
+
+  const shm::TaskPage* page(uint32_t slot, uint32_t gen) const {
+    auto it = pages.find(slot);
+    if (it != pages.end() && it->second.generation == gen) {
+      return reinterpret_cast<const shm::TaskPage*>(it->second.map.data());
+    }
+    if (async) {
+      // Asked once; the page shows in the snapshot after its answer came.
+      for (const Pending& q : pending)
+        if (q.type == shm::MsgType::kGetTaskPage && q.slot == slot && q.gen == gen) return nullptr;
+      send_async(shm::MsgType::kGetTaskPage, slot, gen, nullptr);
+      return nullptr;
+    }
+    int fd = -1;
+    if (request(shm::MsgType::kGetTaskPage, slot, gen, &fd, nullptr) != BB_OK) return nullptr;
+    shm::Fd owned(fd);
+    return map_page(slot, gen, fd);
   }
 };
 
@@ -353,8 +432,18 @@ bool HubObserver::alive() const {
 int HubObserver::fd() const { return impl_->sock.get(); }
 
 bb_status HubObserver::stop_task(uint64_t task_id, std::string* error) {
-  return impl_->request(shm::MsgType::kStopTask, uint32_t(task_id & 0xffffffffu),
-                        uint32_t(task_id >> 32), nullptr, error);
+  const uint32_t slot = uint32_t(task_id & 0xffffffffu), gen = uint32_t(task_id >> 32);
+  if (impl_->async) return impl_->send_async(shm::MsgType::kStopTask, slot, gen, error);
+  return impl_->request(shm::MsgType::kStopTask, slot, gen, nullptr, error);
+}
+
+void HubObserver::set_async() { impl_->async = true; }
+
+bool HubObserver::pump(std::vector<StopAnswer>* stops) {
+  if (impl_->broken || impl_->drain(nullptr) != BB_OK) return false;
+  if (stops) stops->insert(stops->end(), impl_->stop_answers.begin(), impl_->stop_answers.end());
+  impl_->stop_answers.clear();
+  return true;
 }
 
 }  // namespace bb::core

@@ -106,9 +106,9 @@ class HubObserver {
  public:
   // Connects to the hub of (job, rank). On failure returns the status and sets *error to one
   // actionable sentence. timeout_ms bounds the connect and the wait for each answer (the
-  // open's and every later request's). A request not answered in time returns BB_E_TIMEOUT;
-  // its answer, when it comes, is dropped, and until then further requests return BB_E_TIMEOUT
-  // at once, so no late answer is taken for another request's.
+  // open's and every later waited-for request's: see set_async). A request not answered in
+  // time returns BB_E_TIMEOUT; its answer, when it comes, is dropped, and until then further
+  // requests return BB_E_TIMEOUT at once, so no late answer is taken for another request's.
   static bb_status open(const std::string& runtime_dir, const std::string& job, uint32_t rank,
                         std::unique_ptr<HubObserver>* out, std::string* error,
                         uint32_t timeout_ms = 5000);
@@ -128,8 +128,26 @@ class HubObserver {
   // A descriptor that becomes readable (EOF/HUP) when the trainer goes away: watch it with
   // poll/epoll/uv_poll instead of polling alive().
   int fd() const;
-  // Asks the trainer to stop a task (bb_trainer_stop_task semantics).
+  // Asks the trainer to stop a task (bb_trainer_stop_task semantics). After set_async() it only
+  // sends the request: BB_OK says it was sent, and its outcome comes out of pump().
   bb_status stop_task(uint64_t task_id, std::string* error);
+
+  // For an event loop, which must never wait on a trainer (one stopped at a breakpoint accepts
+  // requests and answers none): from now on stop_task and the page lookups of snapshot() only
+  // send their request, and answers are read by pump(). A task whose page has not come yet
+  // shows without the words read from it (state, started, pause ack). At most a few requests
+  // are in flight; past that they fail with BB_E_TIMEOUT until answers come.
+  void set_async();
+  struct StopAnswer {
+    uint64_t task_id = 0;
+    bb_status status = BB_OK;
+    std::string error;  // the trainer's reason when status is not BB_OK
+  };
+  // Reads the answers that came, without waiting: call it when fd() is readable. Pages are
+  // mapped for the next snapshot(); the outcomes of stop requests are appended to *stops (may
+  // be null). Returns false once the connection is broken: the trainer went away, or sent
+  // something that answers no request.
+  bool pump(std::vector<StopAnswer>* stops);
 
   struct Impl;
 

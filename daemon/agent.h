@@ -160,6 +160,8 @@ class Agent {
   void install_hub(const std::string& job, uint32_t rank, std::unique_ptr<core::HubObserver> obs);
   void arm_open_retry();
   void refresh_hub(Hub* hub, uint64_t now);
+  // Reads the hub's answers to the agent's requests; false once its connection is broken.
+  bool pump_hub(Hub* hub);
   void reconcile_tasks(Hub* hub);
   void enforce_hub(Hub* hub, uint64_t now);
   void close_hub_handles(Hub* hub);
@@ -177,6 +179,8 @@ class Agent {
   void watch_pidfd(TaskRow* row);
   void start_pidfd_watch(LiveTask* lt, pid_t pid);
   void terminate(TaskRow* row, const std::string& why);
+  // The trainer refused to pass on a stop the agent asked of it (the task left its slot, say).
+  void on_stop_refused(TaskRow* row, const std::string& why);
   // Kills what is left of a submitted task's process group once its wrapper is gone.
   void kill_orphans(const TaskRow& row, bool wrapper_died);
   void signal_task(const TaskRow& row, int sig);

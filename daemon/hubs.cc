@@ -74,13 +74,13 @@ struct HubCallbacks {
   static void on_hub_poll(uv_poll_t* p, int status, int events) {
     auto* hub = static_cast<Hub*>(p->data);
     Agent* agent = static_cast<Agent*>(p->loop->data);
-    if (status < 0 || (events & UV_DISCONNECT) || !hub->obs || !hub->obs->alive()) {
+    // Readable: answers to the observer's requests (read them all, so the level-triggered
+    // descriptor is quiet again), or the hang-up.
+    if (status < 0 || (events & UV_DISCONNECT) || !hub->obs || !agent->pump_hub(hub) ||
+        !hub->obs->alive()) {
       agent->on_hub_gone(hub, "its trainer closed the hub or exited");
       return;
     }
-    // Readable while the trainer lives: not an end-of-stream. Keep watching for the hang-up
-    // only, so a level-triggered readable descriptor cannot spin the loop.
-    uv_poll_start(p, UV_DISCONNECT, on_hub_poll);
   }
   static void on_retry(uv_timer_t* t) {
     auto* agent = static_cast<Agent*>(t->data);
@@ -294,6 +294,7 @@ void Agent::install_hub(const std::string& job, uint32_t rank,
   hub->job = job;
   hub->rank = rank;
   hub->obs = std::move(obs);
+  hub->obs->set_async();  // the loop never waits on a trainer's answer
   hub->sock_ino = socket_inode(cfg_.runtime_dir, job, rank);
   hub->alive = true;
   hub->poll = new uv_poll_t;
@@ -386,8 +387,22 @@ void Agent::refresh_all() {
   if (queued) schedule();
 }
 
+bool Agent::pump_hub(Hub* hub) {
+  std::vector<core::HubObserver::StopAnswer> stops;
+  const bool ok = hub->obs->pump(&stops);
+  for (const auto& a : stops) {
+    if (a.status == BB_OK) continue;
+    auto rit = hub->task_rows.find(a.task_id);
+    auto tit = rit == hub->task_rows.end() ? tasks_.end() : tasks_.find(rit->second);
+    if (tit == tasks_.end()) continue;  // the task left its hub meanwhile
+    on_stop_refused(&tit->second, a.error);
+  }
+  return ok;
+}
+
 void Agent::refresh_hub(Hub* hub, uint64_t now) {
   if (!hub->obs) return;
+  pump_hub(hub);  // a hang-up is the poll's and refresh_all's to see
   hub->snap = hub->obs->snapshot();
   core::Event buf[512];
   for (;;) {

@@ -552,7 +552,9 @@ void Agent::terminate(TaskRow* row, const std::string& why) {
   row->state = "stopping";
   row->message = "stopping: " + why;
   save(*row);
-  // Gracefully first, through the hub (the task sees BB_E_STOPPED), else by SIGTERM.
+  // Gracefully first, through the hub (the task sees BB_E_STOPPED), else by SIGTERM. The
+  // request is only sent: a refusal comes later (on_stop_refused), no answer at all ends with
+  // the stop timer.
   bool asked = false;
   auto hit = hubs_.find(row->hub);
   if (hit != hubs_.end() && hit->second->alive && hit->second->obs) {
@@ -570,6 +572,24 @@ void Agent::terminate(TaskRow* row, const std::string& why) {
   lt->stop_stage = asked ? 0 : 1;
   if (!asked) signal_task(*row, SIGTERM);
   if (!lt->stop_timer) lt->stop_timer = new_timer(loop_, lt);
+  uv_timer_start(lt->stop_timer, TaskCallbacks::on_stop_timer, cfg_.stop_timeout_ns / 1'000'000,
+                 0);
+}
+
+void Agent::on_stop_refused(TaskRow* row, const std::string& why) {
+  if (row->origin == "attached") {  // a cancel: it was told the stop was asked for
+    agent_log("task #%lld: its trainer refused the stop (%s)", static_cast<long long>(row->id),
+              why.c_str());
+    record(row, row->pid, row->hub, "cancel", "its trainer refused the stop: " + why);
+    return;
+  }
+  LiveTask* lt = live(row->id);
+  if (!lt || lt->exited || !lt->stop_timer || row->state != "stopping" || lt->stop_stage != 0)
+    return;
+  agent_log("task #%lld: its hub could not pass on the stop (%s): SIGTERM instead",
+            static_cast<long long>(row->id), why.c_str());
+  lt->stop_stage = 1;
+  signal_task(*row, SIGTERM);
   uv_timer_start(lt->stop_timer, TaskCallbacks::on_stop_timer, cfg_.stop_timeout_ns / 1'000'000,
                  0);
 }

@@ -8,8 +8,8 @@ import socket
 import subprocess
 import time
 
-from conftest import (BUBBLECTL, BUBBLED, TASK_GOOD, HELLO, children, encode, frame, read_frame,
-                      wait_until)
+from conftest import (BUBBLECTL, BUBBLED, TASK_GOOD, HELLO, children, decode, encode, frame,
+                      read_frame, wait_until)
 
 
 def test_submit_runs_task_to_completion_and_lists_it(env):
@@ -386,6 +386,21 @@ def test_a_stale_hub_socket_is_tried_a_few_times_then_left_alone(env):
     assert env.agent.poll() is None and env.ctl_ok("status")
 
 
+def slowest_answer(s, request, seconds):
+    """Sends the framed request on connection s again and again for that many seconds; returns
+    the longest wait for an answer, and how many came."""
+    slowest, answered = 0.0, 0
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        t0 = time.monotonic()
+        s.sendall(request)
+        assert read_frame(s) is not None
+        slowest = max(slowest, time.monotonic() - t0)
+        answered += 1
+        time.sleep(0.005)
+    return slowest, answered
+
+
 def test_a_stopped_trainer_does_not_hold_up_the_agent(env):
     """A trainer stopped before the agent opened its hub (at a debugger's breakpoint) accepts
     connections but answers nobody, and each try to open its hub waits a second for an answer.
@@ -406,15 +421,7 @@ def test_a_stopped_trainer_does_not_hold_up_the_agent(env):
             assert read_frame(s) is not None
             # The tries go on for about ten seconds (each 10 ms to 3 s after the last failed),
             # never more than a second apart in the first six.
-            slowest, answered = 0.0, 0
-            until = time.monotonic() + 2.5
-            while time.monotonic() < until:
-                t0 = time.monotonic()
-                s.sendall(status)
-                assert read_frame(s) is not None
-                slowest = max(slowest, time.monotonic() - t0)
-                answered += 1
-                time.sleep(0.005)
+            slowest, answered = slowest_answer(s, status, 2.5)
         tries = sum("hub j:0 not ready" in line for line in env.log_lines())
         assert tries >= 2, f"the agent tried the stopped hub {tries} time(s) meanwhile"
         assert slowest < 0.8, \
@@ -426,6 +433,48 @@ def test_a_stopped_trainer_does_not_hold_up_the_agent(env):
     open(os.path.join(env.runtime, "nudge"), "w").close()
     wait_until("the hub to be opened once its trainer goes on",
                lambda: (h := env.hub("j:0")) and h["alive"])
+
+
+def test_a_trainer_stopped_after_its_hub_was_opened_does_not_hold_up_the_agent(env):
+    """A trainer stopped once its hub is open (at a breakpoint) answers none of the agent's
+    requests. A cancel passes its stop on through the hub, and the agent only sends it: the
+    cancel is answered at once, as is every request after it, and the task, whose stop never
+    arrives, is ended by SIGTERM when the stop timeout runs out (an agent that waited for the
+    trainer's answer kept the cancel waiting a second on its loop)."""
+    trainer = env.trainer("j", 0)
+    env.start_agent("--stop-timeout-ms", "1000")
+    tid = env.submit(TASK_GOOD, "0")
+    env.wait_state(tid, "running")
+    wait_until("the task to attach", lambda: env.hub("j:0")["tasks"] == 1)
+    hello = frame(encode(HELLO))
+    cancel = frame(encode(f"(id = 2, cancel = {tid})"))
+    status = frame(encode("(id = 3, status = void)"))
+    os.kill(trainer.pid, signal.SIGSTOP)
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(20)
+            s.connect(env.socket)
+            s.sendall(hello)
+            assert read_frame(s) is not None
+            t0 = time.monotonic()
+            s.sendall(cancel)
+            reply = decode(read_frame(s))
+            slowest = time.monotonic() - t0
+            assert "stopping" in reply, reply
+            # Until the stop timeout's SIGTERM ends the task.
+            slowest = max(slowest, slowest_answer(s, status, 1.5)[0])
+        assert slowest < 0.5, f"a request took {slowest:.2f} s while the trainer was stopped"
+        t = env.wait_state(tid, ("cancelled", "finished", "failed", "killed"))
+        assert t["state"] == "cancelled" and t["signal"] == signal.SIGTERM, t
+    finally:
+        os.kill(trainer.pid, signal.SIGCONT)
+    # The stop the trainer owed is answered once it goes on (the task had left: a refusal),
+    # and the agent goes on reading the hub.
+    wait_until("the hub to be seen alive with no task",
+               lambda: (h := env.hub("j:0")) and h["alive"] and h["tasks"] == 0)
+    again = env.submit(TASK_GOOD, "0")
+    env.wait_state(again, "running")
+    wait_until("the next task to attach", lambda: env.hub("j:0")["tasks"] == 1)
 
 
 def test_a_hub_that_closes_or_whose_trainer_is_killed_is_not_tried_again(env):

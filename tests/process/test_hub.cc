@@ -1050,22 +1050,43 @@ TEST_CASE("a_task_stepping_faster_than_the_hub_drains_loses_no_start_or_pause_re
   bb_trainer_close(h);
 }
 
+namespace {
+
+// A trainer process with one task attached, watched by an observer whose requests wait up to
+// timeout_ms, for the tests of what the observer does while the trainer is stopped.
+struct ObservedTrainer {
+  Child trainer;
+  Child task;
+  std::unique_ptr<bb::core::HubObserver> obs;
+  ObservedTrainer(const char* job, uint32_t timeout_ms)
+      : trainer({trainer_bin(), job, "0"}), task(task_once_open(trainer, job)) {
+    REQUIRE(task.wait_line("ATTACHED") != "");
+    std::string err;
+    REQUIRE(bb::core::HubObserver::open("", job, 0, &obs, &err, timeout_ms) == BB_OK);
+  }
+  static std::vector<std::string> task_once_open(Child& trainer, const char* job) {
+    REQUIRE(trainer.wait_line("OPEN") != "");
+    return task_args(job, "w", "iterative", {"--step-us", "100"});
+  }
+  void stop() {
+    trainer.signal(SIGSTOP);
+    REQUIRE(eventually([&] { return bbtest::all_threads_stopped(trainer.pid()); }));
+  }
+};
+
+}  // namespace
+
 TEST_CASE("an_answer_the_trainer_gives_late_is_never_taken_for_a_later_requests") {
   RuntimeDir dir;
-  Child trainer({trainer_bin(), "slow", "0"});
-  REQUIRE(trainer.wait_line("OPEN") != "");
-  Child task(task_args("slow", "w", "iterative", {"--step-us", "100"}));
-  REQUIRE(task.wait_line("ATTACHED") != "");
-  std::unique_ptr<bb::core::HubObserver> obs;
+  ObservedTrainer o("slow", 300);
+  auto& [trainer, task, obs] = o;
   std::string err;
-  REQUIRE(bb::core::HubObserver::open("", "slow", 0, &obs, &err, 300) == BB_OK);
   const auto tasks = obs->snapshot().tasks;
   REQUIRE(tasks.size() == 1);
   const uint64_t bogus = tasks[0].id + (uint64_t(1) << 32);  // the slot's next generation
   // Stopped, the trainer answers nothing: the request times out, and so does the next one, at
   // once, while the first answer is still owed.
-  trainer.signal(SIGSTOP);
-  REQUIRE(eventually([&] { return bbtest::all_threads_stopped(trainer.pid()); }));
+  o.stop();
   CHECK(obs->stop_task(tasks[0].id, &err) == BB_E_TIMEOUT);
   CHECK(obs->stop_task(bogus, &err) == BB_E_TIMEOUT);
   CHECK(err.find("earlier request") != std::string::npos);  // not sent: the first is owed
@@ -1076,6 +1097,56 @@ TEST_CASE("an_answer_the_trainer_gives_late_is_never_taken_for_a_later_requests"
   bb_status st = BB_E_TIMEOUT;
   CHECK(eventually([&] { return (st = obs->stop_task(bogus, &err)) != BB_E_TIMEOUT; }, 10000));
   CHECK(st == BB_E_NOT_FOUND);
+  CHECK(task.wait_line("RESULT", 10000).find("BB_E_STOPPED") != std::string::npos);
+}
+
+TEST_CASE("an_observer_that_does_not_wait_sends_its_requests_and_takes_the_answers_later") {
+  // For an event loop: requests are only sent, and pump() reads the answers when they come. A
+  // stopped trainer answers nothing, and no call waits for it (the timeout is 2 s; none may
+  // take half of it): a few requests go out, then the rest are refused until answers come.
+  RuntimeDir dir;
+  ObservedTrainer o("async", 2000);
+  auto& [trainer, task, obs] = o;
+  std::string err;
+  obs->set_async();
+  o.stop();
+  const auto t0 = std::chrono::steady_clock::now();
+  const auto tasks = obs->snapshot().tasks;  // asks for the task's page
+  REQUIRE(tasks.size() == 1);
+  CHECK(!tasks[0].started);
+  const uint64_t bogus = tasks[0].id + (uint64_t(1) << 32);  // the slot's next generation
+  int sent = 0;
+  bb_status st;
+  while ((st = obs->stop_task(bogus, &err)) == BB_OK && sent < 100) ++sent;
+  CHECK(st == BB_E_TIMEOUT);
+  CHECK(err.find("not answered the earlier requests") != std::string::npos);
+  CHECK(sent >= 1);
+  CHECK(sent < 16);
+  std::vector<bb::core::HubObserver::StopAnswer> stops;
+  CHECK(obs->pump(&stops));
+  CHECK(stops.empty());
+  CHECK(obs->snapshot().tasks.size() == 1);  // asks for no second page meanwhile
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(1));
+  CHECK(obs->alive());
+  trainer.signal(SIGCONT);
+  // Every stop is answered (the task id is not attached), in order, and the page came: the
+  // task is seen started in the trainer's bubbles, which only its page tells.
+  CHECK(eventually([&] { return obs->pump(&stops) && int(stops.size()) == sent; }));
+  for (const auto& a : stops) {
+    CHECK(a.task_id == bogus);
+    CHECK(a.status == BB_E_NOT_FOUND);
+    CHECK(a.error.find("not attached") != std::string::npos);
+  }
+  CHECK(eventually([&] {
+    obs->pump(nullptr);
+    const auto now = obs->snapshot().tasks;
+    return now.size() == 1 && (now[0].started || now[0].state == bb::core::TaskRunState::kRunning);
+  }));
+  // A stop sent now is answered too, and reaches the task.
+  REQUIRE(obs->stop_task(tasks[0].id, &err) == BB_OK);
+  stops.clear();
+  CHECK(eventually([&] { return obs->pump(&stops) && stops.size() == 1; }));
+  CHECK(stops[0].status == BB_OK);
   CHECK(task.wait_line("RESULT", 10000).find("BB_E_STOPPED") != std::string::npos);
 }
 
