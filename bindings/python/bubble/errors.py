@@ -31,13 +31,17 @@ class Status(enum.IntEnum):
 
 
 class BubbleError(Exception):
-    """A libbubble call failed. `status` is the code, `message` what the library said."""
+    """A libbubble call failed. `status` is the code, `message` what the library said, and
+    `raw_status` the number the call returned (a code newer than this binding, which `status`
+    can only name E_SYSTEM, keeps its value there)."""
 
     status: Status = Status.E_SYSTEM
 
-    def __init__(self, message: str, status: Status | int | None = None) -> None:
+    def __init__(self, message: str, status: Status | int | None = None, *,
+                 raw_status: int | None = None) -> None:
         if status is not None:
             self.status = Status(status)
+        self.raw_status = int(self.status) if raw_status is None else raw_status
         self.message = message
         super().__init__(f"{message} [{lib.bb_status_name(int(self.status)).decode()}]")
 
@@ -71,7 +75,8 @@ def error_for(status: int, message: str | None = None) -> BubbleError:
     try:
         cls = _BY_STATUS[Status(status)]
     except ValueError:  # a code newer than this binding
-        return BubbleError(message, Status.E_SYSTEM)
+        return BubbleError(f"{message} (status {status}, unknown to this binding)",
+                           Status.E_SYSTEM, raw_status=status)
     return cls(message)
 
 

@@ -54,6 +54,28 @@ class _BubbleWork:
         return getattr(self._work, name)
 
 
+def _live(f: Any) -> Any:
+    """f, or what it wraps if it is the wrapper of an uninstalled P2PBubbles, and so on."""
+    while getattr(f, "_bubble_owner", None) is not None and f._bubble_owner._saved is None:
+        f = f._bubble_inner
+    return f
+
+
+def _torch_op(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """P2POp's arguments with its op (first, or op=) unwrapped to torch's own function."""
+
+    def unwrap(op: Any) -> Any:
+        while getattr(op, "_bubble_inner", None) is not None:
+            op = op._bubble_inner
+        return op
+
+    if args:
+        return (unwrap(args[0]), *args[1:]), kwargs
+    if "op" in kwargs:
+        return args, {**kwargs, "op": unwrap(kwargs["op"])}
+    return args, kwargs
+
+
 class P2PBubbles:
     """Wraps torch.distributed.recv/irecv while installed (use it as a context manager).
 
@@ -74,6 +96,7 @@ class P2PBubbles:
         self.records: list[BubbleRecord] | None = [] if record else None
         self.bubbles = 0
         self._saved: dict[str, Any] | None = None
+        self._wrappers: dict[str, Any] = {}
         self.schedule = schedule
         self.published = schedule is not None and publish_schedule(trainer, schedule)
 
@@ -82,10 +105,12 @@ class P2PBubbles:
     def install(self) -> None:
         if self._saved is not None:
             raise RuntimeError("P2PBubbles is already installed")
-        self._saved = {"recv": dist.recv, "irecv": dist.irecv}
-        orig_recv, orig_irecv = self._saved["recv"], self._saved["irecv"]
+        saved = {"recv": dist.recv, "irecv": dist.irecv, "P2POp": dist.P2POp}
+        orig_recv, orig_irecv = saved["recv"], saved["irecv"]
 
         def recv(tensor, src=None, group=None, tag=0):
+            if self._saved is None:  # uninstalled under a later instance's wrappers
+                return orig_recv(tensor, src, group, tag)
             if src is None:  # receive-from-any has no irecv form: report the whole call
                 with self._bubble():
                     return orig_recv(tensor, src, group, tag)
@@ -97,14 +122,41 @@ class P2PBubbles:
 
         def irecv(tensor, src=None, group=None, tag=0):
             work = orig_irecv(tensor, src, group, tag)
-            return None if work is None else _BubbleWork(work, self)
+            if self._saved is None or work is None:
+                return work
+            return _BubbleWork(work, self)
 
-        dist.recv, dist.irecv = recv, irecv
+        class P2POp(saved["P2POp"]):
+            """torch's P2POp, given torch's own irecv for this wrapper of it: torch checks that
+            the op is one of its own, and batch_isend_irecv hands the Works it returns to the
+            process group (a batched receive is not reported as a bubble)."""
+
+            def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+                args, kwargs = _torch_op(args, kwargs)
+                return super().__new__(cls, *args, **kwargs)
+
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                args, kwargs = _torch_op(args, kwargs)
+                super().__init__(*args, **kwargs)
+
+        for name, wrapper in (("recv", recv), ("irecv", irecv), ("P2POp", P2POp)):
+            wrapper._bubble_inner = saved[name]  # type: ignore[attr-defined]
+            wrapper._bubble_owner = self  # type: ignore[attr-defined]
+        self._saved = saved
+        self._wrappers = {"recv": recv, "irecv": irecv, "P2POp": P2POp}
+        dist.recv, dist.irecv, dist.P2POp = recv, irecv, P2POp
 
     def uninstall(self) -> None:
-        if self._saved is not None:
-            dist.recv, dist.irecv = self._saved["recv"], self._saved["irecv"]
-            self._saved = None
+        """Puts back what install() found, less the wrappers of instances uninstalled since.
+        Uninstalled while a later instance's wrappers sit on top of its own, it leaves them
+        there (its own pass everything through from then on), and that instance's uninstall
+        skips them."""
+        if self._saved is None:
+            return
+        saved, self._saved = self._saved, None
+        for name, wrapper in self._wrappers.items():
+            if getattr(dist, name) is wrapper:
+                setattr(dist, name, _live(saved[name]))
 
     def __enter__(self) -> "P2PBubbles":
         self.install()

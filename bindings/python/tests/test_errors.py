@@ -64,3 +64,13 @@ def test_library_version_and_clock():
     assert bubble.library_version() == declared
     a = bubble.now_ns()
     assert bubble.now_ns() >= a > 0
+
+
+def test_a_status_newer_than_the_binding_keeps_its_number():
+    from bubble.errors import error_for
+    err = error_for(-99, "something new went wrong")
+    assert isinstance(err, bubble.BubbleError)
+    assert err.status is bubble.Status.E_SYSTEM
+    assert err.raw_status == -99
+    assert "-99" in str(err) and "something new went wrong" in str(err)
+    assert error_for(int(bubble.Status.E_BUSY), "taken").raw_status == int(bubble.Status.E_BUSY)
