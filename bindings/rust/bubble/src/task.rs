@@ -214,7 +214,7 @@ impl Task {
     /// Hands the loop to the runtime until the work is done, the task is stopped or the
     /// trainer leaves.
     pub fn run<T: SideTask>(&mut self, side_task: &mut T) -> Result<Outcome> {
-        let mut bridge = Bridge { task: side_task, failure: None, handle: self.raw.as_ptr(), host_grant: 0 };
+        let mut bridge = Bridge { task: side_task, failure: None, handle: self.raw.as_ptr() };
         // SAFETY: init_sized writes all `size` bytes (a library that knows fewer fields zeroes
         // the rest).
         let mut cbs = unsafe {
@@ -352,8 +352,6 @@ struct Bridge<'a, T: SideTask> {
     task: &'a mut T,
     failure: Option<Failure>,
     handle: sys::bb_task_h,
-    /// The id of the last grant known to be host memory (0: none).
-    host_grant: u64,
 }
 
 impl<T: SideTask> Bridge<'_, T> {
@@ -386,18 +384,18 @@ impl<T: SideTask> Bridge<'_, T> {
     }
     /// Whether the step's grant is host memory. The step info does not say which backend a
     /// grant has; bb_task_grant does, and on the runtime's own thread between its steps it
-    /// only reports the mapping the step was given (it never unmaps).
+    /// only reports the mapping the step was given (it never unmaps). Asked at every step
+    /// with a grant: an id alone does not name a grant for good (a trainer that replaced the
+    /// one the task re-attached from numbers its grants from 1 again, perhaps on a device).
     unsafe fn is_host(user: *mut c_void, grant: &GrantRegion) -> bool {
         let bridge = &mut *(user as *mut Self);
-        if bridge.host_grant != grant.id {
-            let mut g: sys::bb_task_grant_t = std::mem::zeroed();
-            g.size = std::mem::size_of::<sys::bb_task_grant_t>() as u32;
-            let ok = sys::bb_task_grant(bridge.handle, &mut g) == sys::BB_OK;
-            if ok && g.id == grant.id && g.ptr == grant.ptr && g.backend == sys::BB_GRANT_HOST {
-                bridge.host_grant = grant.id;
-            }
-        }
-        bridge.host_grant == grant.id
+        let mut g: sys::bb_task_grant_t = std::mem::zeroed();
+        g.size = std::mem::size_of::<sys::bb_task_grant_t>() as u32;
+        sys::bb_task_grant(bridge.handle, &mut g) == sys::BB_OK
+            && g.id == grant.id
+            && g.ptr == grant.ptr
+            && g.bytes >= grant.bytes
+            && g.backend == sys::BB_GRANT_HOST
     }
 
     unsafe extern "C" fn step(user: *mut c_void, info: *const sys::bb_step_info_t) -> c_int {
