@@ -246,13 +246,25 @@ bb_status bb_task_attach(const char* job_id, uint32_t rank, const char* name,
   return BB_OK;
 }
 
+// A call a task's own callbacks make inside bb_task_run that would pull the run's state (its
+// wait, its acks, its grant mapping, the handle itself) from under it.
+static bool refused_in_run(bb_task_h task, const char* fn) {
+  if (!task || !impl(task)->in_run()) return false;
+  fail(BB_E_STATE, "%s was called from inside bb_task_run (a callback of the task's own run): "
+       "the run waits, acks pauses and revokes itself; return from the callback instead "
+       "(BB_STEP_DONE ends the run), and detach after bb_task_run returned", fn);
+  return true;
+}
+
 bb_status bb_task_detach(bb_task_h task) {
+  if (refused_in_run(task, "bb_task_detach")) return BB_E_STATE;
   delete impl(task);
   return BB_OK;
 }
 
 bb_status bb_task_wait_start(bb_task_h task, int64_t timeout_ns, bb_start_info_t* out) {
   if (!task) return fail(BB_E_INVALID, "task is NULL");
+  if (refused_in_run(task, "bb_task_wait_start")) return BB_E_STATE;
   if (out && out->size < sizeof(uint32_t) * 2)
     return fail(BB_E_INVALID, "out->size is %u: set it to sizeof(bb_start_info_t)", out->size);
   bb_start_info_t info{};
@@ -266,6 +278,7 @@ int bb_task_should_pause(bb_task_h task) { return task ? impl(task)->should_paus
 
 bb_status bb_task_ack_pause(bb_task_h task) {
   if (!task) return fail(BB_E_INVALID, "task is NULL");
+  if (refused_in_run(task, "bb_task_ack_pause")) return BB_E_STATE;
   return impl(task)->ack_pause();
 }
 
@@ -282,6 +295,7 @@ bb_status bb_task_time_left(bb_task_h task, uint64_t* left_ns, uint64_t* est_ste
 
 bb_status bb_task_run(bb_task_h task, const bb_task_callbacks_t* callbacks) {
   if (!task) return fail(BB_E_INVALID, "task is NULL");
+  if (refused_in_run(task, "bb_task_run")) return BB_E_STATE;
   if (!callbacks) return fail(BB_E_INVALID, "callbacks is NULL");
   bb_task_callbacks_t cbs;
   // A struct from before idle ends where idle begins: it has none.
@@ -406,6 +420,7 @@ bb_status bb_task_grant(bb_task_h task, bb_task_grant_t* out) {
 
 bb_status bb_task_ack_revoke(bb_task_h task) {
   if (!task) return fail(BB_E_INVALID, "task is NULL");
+  if (refused_in_run(task, "bb_task_ack_revoke")) return BB_E_STATE;
   BB_GUARD(return impl(task)->ack_revoke());
 }
 

@@ -637,6 +637,11 @@ void Task::finish_report(bool failed) {
 bb_status Task::run(const bb_task_callbacks_t& cbs) {
   if (!cbs.step) return fail(BB_E_INVALID, "callbacks.step is NULL: the iterative runtime needs a "
                              "step function");
+  struct InRun {
+    bool& flag;
+    explicit InRun(bool& f) : flag(f) { flag = true; }
+    ~InRun() { flag = false; }
+  } in_run(in_run_);
   void* user = cbs.user;
   bb_status result = BB_OK;
   std::string message;

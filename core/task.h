@@ -45,6 +45,9 @@ class Task {
   bb_status report_step(uint64_t step_ns);
   void time_left(uint64_t* left_ns, uint64_t* est_step_ns) const;
   bb_status run(const bb_task_callbacks_t& cbs);
+  // Inside run(), callbacks included: the C ABI refuses the calls that would pull the run's
+  // state from under it (wait, acks, a nested run, detach).
+  bool in_run() const { return in_run_; }
   bb_status grant(bb_task_grant_t* out);
   bb_status ack_revoke();
 
@@ -140,6 +143,7 @@ class Task {
   bool missed_window_ = false;   // the last spin window ended before the bubble began
   static constexpr uint64_t kFirstStaleSliceNs = 1'000'000;
   bool stopped_ = false;
+  bool in_run_ = false;
   bool finished_ = false;
 
   // Step time (bound(): a step starts only when it is likely to fit) and how late a predictive

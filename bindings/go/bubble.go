@@ -115,9 +115,15 @@ func optionalDuration(ns C.uint64_t) *time.Duration {
 }
 
 func cName(what, s string) (*C.char, error) {
+	return cString(what, s, "a name")
+}
+
+// cString is s for a const char* argument; ErrInvalid when it holds a NUL byte, which C would
+// take for its end (and so use a shorter, other name or path).
+func cString(what, s, kind string) (*C.char, error) {
 	for i := 0; i < len(s); i++ {
 		if s[i] == 0 {
-			return nil, &Error{Status: ErrInvalid, Message: fmt.Sprintf("%s %q contains a NUL byte; pass a name without one", what, s)}
+			return nil, &Error{Status: ErrInvalid, Message: fmt.Sprintf("%s %q contains a NUL byte; pass %s without one", what, s, kind)}
 		}
 	}
 	return C.CString(s), nil

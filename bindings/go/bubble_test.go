@@ -106,6 +106,15 @@ func TestBadNamesAreInvalid(t *testing.T) {
 			t.Errorf("job %q: want ErrInvalid, got %v", job, err)
 		}
 	}
+	// A runtime directory with a NUL byte would be cut there by C: another directory.
+	dir := t.TempDir() + "\x00rest"
+	if _, err := OpenTrainer(uniqueJob(), 0, &TrainerOptions{RuntimeDir: dir}); !errors.Is(err, ErrInvalid) ||
+		!strings.Contains(err.Error(), "NUL") {
+		t.Errorf("trainer runtime dir with a NUL: want ErrInvalid saying so, got %v", err)
+	}
+	if _, err := Attach(uniqueJob(), 0, "t", &TaskOptions{RuntimeDir: dir}); !errors.Is(err, ErrInvalid) {
+		t.Errorf("task runtime dir with a NUL: want ErrInvalid, got %v", err)
+	}
 }
 
 func TestCloseTwiceAndUseAfterClose(t *testing.T) {

@@ -63,7 +63,7 @@ func bubbleGoStep(user C.uintptr_t, info *C.bb_step_info_t) C.int {
 		DeadlineNs: uint64(info.deadline_ns), TimeLeft: optionalDuration(info.time_left_ns),
 		EstStep: time.Duration(info.est_step_ns), FreeMem: uint64(info.free_mem)}
 	return guarded(user, func(st *runState) (C.int, error) {
-		si.Grant = grantOf(st.h, info.grant_id, info.grant_ptr, info.grant_bytes, &st.known)
+		si.Grant = grantOf(st.h, st.t, info.grant_id, info.grant_ptr, info.grant_bytes, &st.known)
 		r, err := st.task.Step(si)
 		switch r {
 		case Continue:

@@ -60,11 +60,13 @@ type GrantInfo struct {
 	Offset     uint64 // where the grant sits in the lent range
 	Address    uint64 // the trainer's own address: host pointer, or CUdeviceptr for CUDA
 	DeadlineNs uint64 // while revoking: when the task will be killed
+	owner      *Trainer // kept open while this is reachable (its finalizer would close the hub)
 }
 
 // HostMemory is the trainer's view of a host grant (nil for device memory). It stays valid
 // only while the grant is active or revoking: a released range is unmapped or granted to
-// another task, and touching it then faults.
+// another task, and touching it then faults. The slice alone does not keep the Trainer open:
+// keep the GrantInfo (or the Trainer) reachable while using it.
 func (g *GrantInfo) HostMemory() []byte {
 	if g == nil || g.Backend != GrantHost || g.Address == 0 {
 		return nil
@@ -94,12 +96,17 @@ type TaskGrant struct {
 	// RevokeDeadlineNs is nonzero while the trainer asks the grant back: stop using it and call
 	// AckRevoke (or AckPause) before then. Set by Task.Grant only.
 	RevokeDeadlineNs uint64
+	// The task that maps it: a grant kept keeps its task attached (the Task's finalizer would
+	// detach it and unmap the memory).
+	owner *Task
 }
 
 // Revoking is true while the trainer asks the grant back.
 func (g *TaskGrant) Revoking() bool { return g != nil && g.RevokeDeadlineNs != 0 }
 
 // Memory is the grant's host memory (nil for device memory), valid as long as the grant is.
+// The slice alone does not keep the task attached: keep the TaskGrant (or the Task) reachable
+// while using it (runtime.KeepAlive).
 func (g *TaskGrant) Memory() []byte {
 	if g == nil || g.Backend != GrantHost || g.Ptr == nil {
 		return nil
@@ -200,7 +207,8 @@ func (t *Trainer) TaskGrant(taskID uint64) (*GrantInfo, error) {
 	}
 	return &GrantInfo{ID: uint64(g.id), TaskID: uint64(g.task_id), State: GrantState(g.state),
 		Backend: GrantBackend(g.backend), Mapped: g.mapped != 0, Bytes: uint64(g.bytes),
-		Offset: uint64(g.offset), Address: uint64(g.address), DeadlineNs: uint64(g.deadline_ns)}, nil
+		Offset: uint64(g.offset), Address: uint64(g.address), DeadlineNs: uint64(g.deadline_ns),
+		owner: t}, nil
 }
 
 // GrantStats returns the lender's counts.
@@ -235,12 +243,12 @@ func (t *Task) Grant() (*TaskGrant, error) {
 	if err != nil {
 		return nil, err
 	}
-	g, err := taskGrant(h)
+	g, err := taskGrant(h, t)
 	runtime.KeepAlive(t)
 	return g, err
 }
 
-func taskGrant(h C.bb_task_h) (*TaskGrant, error) {
+func taskGrant(h C.bb_task_h, owner *Task) (*TaskGrant, error) {
 	var g C.bb_task_grant_t
 	g.size = C.uint32_t(unsafe.Sizeof(g))
 	err := call(func() C.bb_status { return C.bb_task_grant(h, &g) })
@@ -251,7 +259,7 @@ func taskGrant(h C.bb_task_h) (*TaskGrant, error) {
 		return nil, err
 	}
 	return &TaskGrant{ID: uint64(g.id), Backend: GrantBackend(g.backend), Ptr: g.ptr,
-		Bytes: uint64(g.bytes), RevokeDeadlineNs: uint64(g.revoke_deadline_ns)}, nil
+		Bytes: uint64(g.bytes), RevokeDeadlineNs: uint64(g.revoke_deadline_ns), owner: owner}, nil
 }
 
 // AckRevoke, if the trainer is revoking this task's grant, unmaps it and acks; otherwise it
@@ -269,13 +277,13 @@ func (t *Task) AckRevoke() error {
 // grantOf describes the grant a start or step names. The infos do not carry its backend; a
 // bb_task_grant on the task's own thread right after the start, or between the runtime's steps,
 // reports that same mapping (it maps, never unmaps). known caches the last answer.
-func grantOf(h C.bb_task_h, id C.uint64_t, ptr unsafe.Pointer, bytes C.uint64_t, known **TaskGrant) *TaskGrant {
+func grantOf(h C.bb_task_h, owner *Task, id C.uint64_t, ptr unsafe.Pointer, bytes C.uint64_t, known **TaskGrant) *TaskGrant {
 	if id == 0 || ptr == nil {
 		return nil
 	}
-	g := &TaskGrant{ID: uint64(id), Ptr: ptr, Bytes: uint64(bytes)}
+	g := &TaskGrant{ID: uint64(id), Ptr: ptr, Bytes: uint64(bytes), owner: owner}
 	if *known == nil || (*known).ID != g.ID || (*known).Ptr != ptr {
-		if k, err := taskGrant(h); err == nil && k != nil && k.ID == g.ID && k.Ptr == ptr {
+		if k, err := taskGrant(h, owner); err == nil && k != nil && k.ID == g.ID && k.Ptr == ptr {
 			*known = k
 		}
 	}

@@ -4,6 +4,7 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"runtime"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -298,4 +299,41 @@ func TestUnlendGivesTheMemoryBackAndLendMayLendAgain(t *testing.T) {
 	if s := grantStats(t, tr); s.Backend != GrantHost || s.Capacity != 2<<20 {
 		t.Fatalf("lent again: %+v", s)
 	}
+}
+
+// A grant kept keeps its task attached: the dropped Task's finalizer would detach it and unmap
+// the memory under the grant's Memory(). Once the grant is dropped too, the finalizer detaches.
+func TestAGrantKeptKeepsItsTaskAttached(t *testing.T) {
+	tr, job := openTrainer(t)
+	lendHost(t, tr)
+	grantOnly := func() *TaskGrant {
+		task, err := Attach(job, 0, "kept", &TaskOptions{MemNeed: grantBytes})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var g *TaskGrant
+		eventually(t, "the task's grant", func() bool { g, err = task.Grant(); return err != nil || g != nil })
+		if err != nil {
+			t.Fatal(err)
+		}
+		return g // the Task itself is dropped here
+	}
+	g := grantOnly()
+	for i := 0; i < 3; i++ {
+		runtime.GC()
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := taskCount(t, tr); n != 1 {
+		t.Fatalf("%d tasks attached while the grant is kept", n)
+	}
+	writePattern(g.Memory(), 3)
+	if !patternOK(g.Memory(), 3) {
+		t.Fatal("the kept grant's memory does not hold what was written")
+	}
+	runtime.KeepAlive(g)
+	g = nil
+	eventually(t, "the dropped task detached by its finalizer", func() bool {
+		runtime.GC()
+		return taskCount(t, tr) == 0
+	})
 }

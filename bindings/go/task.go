@@ -154,7 +154,10 @@ func Attach(jobID string, rank uint32, name string, opts *TaskOptions) (*Task, e
 			o.wake_lead_ns = durationNs(opts.WakeLead)
 		}
 		if opts.RuntimeDir != "" {
-			dir := C.CString(opts.RuntimeDir)
+			dir, err := cString("runtime dir", opts.RuntimeDir, "a path")
+			if err != nil {
+				return nil, err
+			}
 			defer C.free(unsafe.Pointer(dir))
 			o.runtime_dir = dir
 		}
@@ -196,6 +199,7 @@ type runState struct {
 	err   error
 	panic interface{}
 	h     C.bb_task_h
+	t     *Task
 	known *TaskGrant
 }
 
@@ -206,7 +210,7 @@ func (t *Task) Run(task SideTask) (Outcome, error) {
 	if err != nil {
 		return 0, err
 	}
-	st := &runState{task: task, h: h}
+	st := &runState{task: task, h: h, t: t}
 	handle := cgo.NewHandle(st)
 	defer handle.Delete()
 	// The callbacks run on this thread inside bb_task_run; keep it for bb_last_error too.
@@ -264,7 +268,7 @@ func (t *Task) WaitStart(timeout time.Duration) (*StartInfo, error) {
 	if err != nil {
 		return nil, err
 	}
-	grant := grantOf(h, info.grant_id, info.grant_ptr, info.grant_bytes, &t.known)
+	grant := grantOf(h, t, info.grant_id, info.grant_ptr, info.grant_bytes, &t.known)
 	runtime.KeepAlive(t)
 	return &StartInfo{Kind: BubbleKind(info.kind), BubbleSeq: uint64(info.bubble_seq),
 		BeginNs: uint64(info.begin_ns), DeadlineNs: uint64(info.deadline_ns), FreeMem: uint64(info.free_mem),

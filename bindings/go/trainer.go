@@ -126,7 +126,10 @@ func OpenTrainer(jobID string, rank uint32, opts *TrainerOptions) (*Trainer, err
 			o.event_capacity = C.uint32_t(opts.EventCapacity)
 		}
 		if opts.RuntimeDir != "" {
-			dir := C.CString(opts.RuntimeDir)
+			dir, err := cString("runtime dir", opts.RuntimeDir, "a path")
+			if err != nil {
+				return nil, err
+			}
 			defer C.free(unsafe.Pointer(dir))
 			o.runtime_dir = dir
 		}

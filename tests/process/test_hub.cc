@@ -55,6 +55,62 @@ TEST_CASE("the_hubs_thread_leaves_the_processs_signals_to_the_application") {
   CHECK_FALSE(bbtest::thread_blocks(pid_t(syscall(SYS_gettid)), SIGTERM));
 }
 
+namespace {
+
+// What a step of the reentrancy test saw when it called back into its own task.
+struct Reentry {
+  bb_task_h task = nullptr;
+  std::vector<bb_status> refused;  // wait, ack pause, ack revoke; then detach and run
+  std::string said;
+  bool stepped = false;
+};
+
+int reenter(void* user, const bb_step_info_t*) {
+  auto* r = static_cast<Reentry*>(user);
+  if (r->stepped) return BB_STEP_DONE;
+  r->stepped = true;
+  bb_start_info_t info{sizeof info};
+  r->refused = {bb_task_wait_start(r->task, 0, &info)};
+  r->said = bb_last_error();
+  r->refused.push_back(bb_task_ack_pause(r->task));
+  r->refused.push_back(bb_task_ack_revoke(r->task));
+  // Only once those were refused: without the guard these would free the handle, or recurse.
+  if (r->refused == std::vector<bb_status>(3, BB_E_STATE)) {
+    bb_task_callbacks_t cbs;
+    bb_task_callbacks_init(&cbs);
+    cbs.user = user;
+    cbs.step = reenter;
+    r->refused.push_back(bb_task_detach(r->task));
+    r->refused.push_back(bb_task_run(r->task, &cbs));
+  }
+  return BB_STEP_DONE;
+}
+
+}  // namespace
+
+TEST_CASE("a_runs_callbacks_cannot_wait_ack_run_or_detach_their_own_task") {
+  // Each would pull the run's state (its wait, its acks, the handle itself) from under it: they
+  // are refused with BB_E_STATE and a sentence, and the run goes on to its end.
+  RuntimeDir dir;
+  Trainer t("reenter");
+  Reentry r;
+  REQUIRE(bb_task_attach("reenter", 0, "reenters", nullptr, &r.task) == BB_OK);
+  bb_task_callbacks_t cbs;
+  bb_task_callbacks_init(&cbs);
+  cbs.user = &r;
+  cbs.step = reenter;
+  bb_status run = BB_E_SYSTEM;
+  std::thread runner([&] { run = bb_task_run(r.task, &cbs); });
+  t.bubbles_until([&] { return t.stats().steps > 0; });
+  runner.join();
+  CHECK(run == BB_OK);  // ended by BB_STEP_DONE
+  CHECK(r.refused == std::vector<bb_status>(5, BB_E_STATE));
+  CHECK(r.said.find("bb_task_wait_start was called from inside bb_task_run") == 0);
+  // Outside the run the same calls work again.
+  CHECK(bb_task_ack_pause(r.task) == BB_OK);
+  CHECK(bb_task_detach(r.task) == BB_OK);
+}
+
 TEST_CASE("start_pause_stop_cycle") {
   RuntimeDir dir;
   const auto shm_before = bbtest::dev_shm();

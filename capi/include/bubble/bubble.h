@@ -438,7 +438,10 @@ BB_API void bb_task_callbacks_init_sized(bb_task_callbacks_t *cbs, size_t size);
  * reason in bb_last_error(): a grant the task could not map (BB_E_UNSUPPORTED without a CUDA
  * driver, say; the grant went back) or unmap (it stays held until the revoke's deadline), or,
  * with BB_ON_TRAINER_EXIT_WAIT, a new trainer that refused the re-attach (BB_E_PERMISSION,
- * BB_E_VERSION, ...). finish is called once with that status before returning. */
+ * BB_E_VERSION, ...). finish is called once with that status before returning. Its callbacks
+ * may not call bb_task_wait_start, bb_task_ack_pause, bb_task_ack_revoke, bb_task_run or
+ * bb_task_detach on the task (the run does those itself): each returns BB_E_STATE and does
+ * nothing. */
 BB_API bb_status bb_task_run(bb_task_h task, const bb_task_callbacks_t *callbacks);
 
 /* ---------------------------------------------------------------------------------------------
