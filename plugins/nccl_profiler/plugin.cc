@@ -40,8 +40,13 @@ RankHub* g_hub = nullptr;
 std::atomic<RecvWaits*> g_waits{nullptr};
 pid_t g_pid = 0;
 
-void log(ncclDebugLogger_t logfn, ncclDebugLogLevel level, const std::string& msg) {
-  if (logfn) logfn(level, kNcclLogInit, __FILE__, __LINE__, "PROFILER/bubble: %s", msg.c_str());
+// NCCL's logger (or a test's) must not undo an init: whatever it throws stays here.
+void log(ncclDebugLogger_t logfn, ncclDebugLogLevel level, const std::string& msg) noexcept {
+  if (!logfn) return;
+  try {
+    logfn(level, kNcclLogInit, __FILE__, __LINE__, "PROFILER/bubble: %s", msg.c_str());
+  } catch (...) {
+  }
 }
 
 ncclResult_t init_locked(void** context, int* mask, int comm_rank, ncclDebugLogger_t logfn) {
@@ -59,17 +64,21 @@ ncclResult_t init_locked(void** context, int* mask, int comm_rank, ncclDebugLogg
       log(logfn, NCCL_LOG_WARN, "disabled: " + error);
       return ncclInternalError;
     }
+    // Closed again if anything below throws before the hub is published.
+    std::unique_ptr<RankHub> owned(hub);
     if (!warning.empty()) {
       std::fprintf(stderr, "libnccl-profiler-bubble: %s\n", warning.c_str());
       log(logfn, NCCL_LOG_WARN, warning);
     }
-    g_hub = hub;
+    const std::string reporting = "reporting receive waits to hub " + cfg.job + "." +
+                                  std::to_string(cfg.rank) + " (rank from " + cfg.rank_source +
+                                  ")";
+    // From here nothing throws: the hub is published and counted together.
+    g_hub = owned.release();
     g_pid = getpid();
     waits->set_sink(hub);
     g_waits.store(waits, std::memory_order_release);
-    log(logfn, NCCL_LOG_INFO,
-        "reporting receive waits to hub " + cfg.job + "." + std::to_string(cfg.rank) +
-            " (rank from " + cfg.rank_source + ")");
+    log(logfn, NCCL_LOG_INFO, reporting);
   }
   ++g_refs;
   *context = ctx.release();

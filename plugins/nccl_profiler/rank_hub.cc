@@ -1,5 +1,7 @@
 #include "plugins/nccl_profiler/rank_hub.h"
 
+#include <algorithm>
+
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -111,6 +113,7 @@ bb_status RankHub::open(const HubConfig& cfg, RankHub** out, std::string* error,
   bb_trainer_options_t opts;
   bb_trainer_options_init(&opts);
   opts.max_running = cfg.max_running;
+  opts.max_slots = std::max(opts.max_slots, cfg.max_running);  // as many may run at once
   bb_trainer_h t = nullptr;
   bb_status st = bb_trainer_open(cfg.job.c_str(), cfg.rank, &opts, &t);
   if (st != BB_OK) {
@@ -128,7 +131,12 @@ bb_status RankHub::open(const HubConfig& cfg, RankHub** out, std::string* error,
       *warning = std::string("BUBBLE_NCCL_LEND ignored, side tasks get no memory grant: ") +
                  bb_last_error();
   }
-  *out = new RankHub(cfg, t);
+  try {
+    *out = new RankHub(cfg, t);
+  } catch (...) {
+    bb_trainer_close(t);
+    throw;
+  }
   return BB_OK;
 }
 

@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <memory>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -452,6 +453,49 @@ TEST_CASE("plugin_init_failure_disables_it_cleanly") {
     CHECK(ctx != nullptr);
     if (ctx) pl.finalize(ctx);
   }
+  CHECK(eventually([&] { return rt.files().empty(); }));
+}
+
+TEST_CASE("plugin_max_running_above_the_default_slot_count_gets_a_hub_that_large") {
+  RuntimeDir rt;
+  const std::string job = unique_job("nccl-wide");
+  ScopedEnv e1("BUBBLE_JOB", job.c_str()), e2("BUBBLE_RANK", "0"),
+      e3("BUBBLE_NCCL_MAX_RUNNING", "100");
+  Plugin pl;
+  int mask = 0;
+  void* ctx = pl.init_v5(0, &mask);
+  REQUIRE(ctx != nullptr);
+  bb_task_h task = nullptr;
+  CHECK(bb_task_attach(job.c_str(), 0, "one", nullptr, &task) == BB_OK);
+  bb_task_detach(task);
+  pl.finalize(ctx);
+}
+
+namespace {
+[[noreturn]] void throwing_logger(ncclDebugLogLevel, unsigned long, const char*, int, const char*,
+                                  ...) {
+  throw std::runtime_error("the logger failed");
+}
+}  // namespace
+
+TEST_CASE("plugin_a_logger_that_throws_neither_disables_it_nor_leaks_its_hub") {
+  // What the logger throws stays in the plugin: the init succeeds, and its finalize closes the
+  // hub (an init that failed after publishing the hub left it open for good).
+  RuntimeDir rt;
+  const std::string job = unique_job("nccl-log");
+  ScopedEnv e1("BUBBLE_JOB", job.c_str()), e2("BUBBLE_RANK", "0");
+  Plugin pl;
+  int mask = 0;
+  void* ctx = nullptr;
+  REQUIRE(pl.v5->init(&ctx, 0x1234, &mask, "pp", 1, 2, 0, throwing_logger) == ncclSuccess);
+  REQUIRE(ctx != nullptr);
+  pl.track(ctx);
+  CHECK(mask != 0);
+  bb_task_h task = nullptr;
+  CHECK(bb_task_attach(job.c_str(), 0, "one", nullptr, &task) == BB_OK);
+  bb_task_detach(task);
+  pl.finalize(ctx);
+  CHECK(bb_task_attach(job.c_str(), 0, "two", nullptr, &task) == BB_E_NOT_FOUND);
   CHECK(eventually([&] { return rt.files().empty(); }));
 }
 
