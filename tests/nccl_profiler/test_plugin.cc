@@ -190,6 +190,14 @@ struct Hub {
 
 std::string unique_job(const char* base) { return std::string(base) + "-" + std::to_string(getpid()); }
 
+// Whether a task can attach to the hub of (job, 0) now; it detaches at once.
+bb_status attach_once(const std::string& job) {
+  bb_task_h task = nullptr;
+  const bb_status st = bb_task_attach(job.c_str(), 0, "once", nullptr, &task);
+  bb_task_detach(task);
+  return st;
+}
+
 }  // namespace
 
 TEST_CASE("plugin_v5_intra_node_recv_is_one_bubble_that_starts_a_task") {
@@ -465,9 +473,7 @@ TEST_CASE("plugin_max_running_above_the_default_slot_count_gets_a_hub_that_large
   int mask = 0;
   void* ctx = pl.init_v5(0, &mask);
   REQUIRE(ctx != nullptr);
-  bb_task_h task = nullptr;
-  CHECK(bb_task_attach(job.c_str(), 0, "one", nullptr, &task) == BB_OK);
-  bb_task_detach(task);
+  CHECK(attach_once(job) == BB_OK);
   pl.finalize(ctx);
 }
 
@@ -491,11 +497,9 @@ TEST_CASE("plugin_a_logger_that_throws_neither_disables_it_nor_leaks_its_hub") {
   REQUIRE(ctx != nullptr);
   pl.track(ctx);
   CHECK(mask != 0);
-  bb_task_h task = nullptr;
-  CHECK(bb_task_attach(job.c_str(), 0, "one", nullptr, &task) == BB_OK);
-  bb_task_detach(task);
+  CHECK(attach_once(job) == BB_OK);
   pl.finalize(ctx);
-  CHECK(bb_task_attach(job.c_str(), 0, "two", nullptr, &task) == BB_E_NOT_FOUND);
+  CHECK(attach_once(job) == BB_E_NOT_FOUND);
   CHECK(eventually([&] { return rt.files().empty(); }));
 }
 
