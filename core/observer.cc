@@ -49,6 +49,9 @@ struct HubObserver::Impl {
   // fit the trainer's socket buffer many times over: the trainer never has to drop one (it
   // answers without blocking), so the order above holds.
   static constexpr size_t kMaxInFlight = 8;
+  // Stops asked while that many were in flight, each task's once, sent as answers make room
+  // (a page lookup is not queued: the next snapshot asks again).
+  mutable std::deque<Pending> queued;
   bool async = false;
   mutable std::vector<StopAnswer> stop_answers;  // read, not yet handed out by pump()
   uint32_t timeout_ms = 5000;
@@ -120,7 +123,7 @@ struct HubObserver::Impl {
       shm::ReplyMsg r;
       shm::Fd fd;
       const bb_status st = read_answer(0, &r, &fd, error);
-      if (st == BB_E_TIMEOUT) return BB_OK;
+      if (st == BB_E_TIMEOUT) return send_queued(error);
       if (st != BB_OK) return st;
       const Pending q = pending.front();
       pending.pop_front();
@@ -132,6 +135,17 @@ struct HubObserver::Impl {
                                 r.status == BB_OK ? std::string() : std::string(r.error)});
       }
     }
+  }
+
+  bb_status send_queued(std::string* error) const {
+    while (!queued.empty() && pending.size() < kMaxInFlight) {
+      const Pending q = queued.front();
+      const bb_status st = send(q.type, q.slot, q.gen, error);
+      if (st == BB_E_TIMEOUT) return BB_OK;  // its socket is full: at the next drain
+      if (st != BB_OK) return st;
+      queued.pop_front();
+    }
+    return BB_OK;
   }
 
   // One request, one answer, waited for up to timeout_ms.
@@ -165,10 +179,14 @@ struct HubObserver::Impl {
                        std::string* error) const {
     if (broken) return say(BB_E_TRAINER_GONE, error, "the connection to the trainer is closed");
     if (const bb_status st = drain(error); st != BB_OK) return st;
-    if (pending.size() >= kMaxInFlight)
+    if (pending.size() < kMaxInFlight && queued.empty()) return send(type, slot, gen, error);
+    if (type != shm::MsgType::kStopTask)
       return say(BB_E_TIMEOUT, error, "the trainer has not answered the earlier requests yet "
                  "(busy or stopped?): try again later");
-    return send(type, slot, gen, error);
+    for (const Pending& q : queued)
+      if (q.slot == slot && q.gen == gen) return BB_OK;  // asked already
+    queued.push_back({type, slot, gen, false});
+    return BB_OK;
   }
 
   const shm::TaskPage* map_page(uint32_t slot, uint32_t gen, int fd) const {

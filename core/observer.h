@@ -136,7 +136,8 @@ class HubObserver {
   // requests and answers none): from now on stop_task and the page lookups of snapshot() only
   // send their request, and answers are read by pump(). A task whose page has not come yet
   // shows without the words read from it (state, started, pause ack). At most a few requests
-  // are in flight; past that they fail with BB_E_TIMEOUT until answers come.
+  // are in flight: past that a page waits for a later snapshot, and a stop is queued (once per
+  // task) and sent as answers come.
   void set_async();
   struct StopAnswer {
     uint64_t task_id = 0;

@@ -85,6 +85,9 @@ struct LiveTask {
   int pidfd = -1;
   uv_timer_t* stop_timer = nullptr;
   int stop_stage = 0;
+  // Stops sent through its hub for this stop (one per slot it holds) and how many the trainer
+  // refused: SIGTERM comes at once only when every one was.
+  int stops_sent = 0, stops_refused = 0;
   bool killed_by_agent = false;
   bool cancel = false;
   bool replace = false;

@@ -555,20 +555,22 @@ void Agent::terminate(TaskRow* row, const std::string& why) {
   // Gracefully first, through the hub (the task sees BB_E_STOPPED), else by SIGTERM. The
   // request is only sent: a refusal comes later (on_stop_refused), no answer at all ends with
   // the stop timer.
-  bool asked = false;
+  int asked = 0;
   auto hit = hubs_.find(row->hub);
   if (hit != hubs_.end() && hit->second->alive && hit->second->obs) {
     for (const auto& [hid, rid] : hit->second->task_rows) {
       if (rid != row->id) continue;
       std::string err;
       if (hit->second->obs->stop_task(hid, &err) == BB_OK)
-        asked = true;
+        ++asked;
       else
         agent_log("task #%lld: its hub could not pass on the stop (%s): SIGTERM instead",
                   static_cast<long long>(row->id), err.c_str());
     }
   }
   if (!lt) return;
+  lt->stops_sent = asked;
+  lt->stops_refused = 0;
   lt->stop_stage = asked ? 0 : 1;
   if (!asked) signal_task(*row, SIGTERM);
   if (!lt->stop_timer) lt->stop_timer = new_timer(loop_, lt);
@@ -584,7 +586,8 @@ void Agent::on_stop_refused(TaskRow* row, const std::string& why) {
     return;
   }
   LiveTask* lt = live(row->id);
-  if (!lt || lt->exited || !lt->stop_timer || row->state != "stopping" || lt->stop_stage != 0)
+  if (!lt || lt->exited || !lt->stop_timer || row->state != "stopping" || lt->stop_stage != 0 ||
+      ++lt->stops_refused < lt->stops_sent)
     return;
   agent_log("task #%lld: its hub could not pass on the stop (%s): SIGTERM instead",
             static_cast<long long>(row->id), why.c_str());

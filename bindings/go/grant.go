@@ -283,7 +283,9 @@ func grantOf(h C.bb_task_h, owner *Task, id C.uint64_t, ptr unsafe.Pointer, byte
 	}
 	g := &TaskGrant{ID: uint64(id), Ptr: ptr, Bytes: uint64(bytes), owner: owner}
 	if *known == nil || (*known).ID != g.ID || (*known).Ptr != ptr {
-		if k, err := taskGrant(h, owner); err == nil && k != nil && k.ID == g.ID && k.Ptr == ptr {
+		// Cached without its owner: the Task holds the cache, and a Task that reaches itself
+		// would never be finalized.
+		if k, err := taskGrant(h, nil); err == nil && k != nil && k.ID == g.ID && k.Ptr == ptr {
 			*known = k
 		}
 	}

@@ -337,3 +337,41 @@ func TestAGrantKeptKeepsItsTaskAttached(t *testing.T) {
 		return taskCount(t, tr) == 0
 	})
 }
+
+// A Task dropped without Close after a start that named its grant is still finalized: what it
+// keeps of that grant refers to nothing that leads back to it.
+func TestATaskDroppedAfterAStartWithAGrantIsFinalized(t *testing.T) {
+	tr, job := openTrainer(t)
+	lendHost(t, tr)
+	started := make(chan error, 1)
+	go func() {
+		task, err := Attach(job, 0, "dropped", &TaskOptions{MemNeed: grantBytes})
+		if err == nil {
+			var s *StartInfo
+			if s, err = task.WaitStart(20 * time.Second); err == nil && (s == nil || s.Grant == nil) {
+				err = fmt.Errorf("started without its grant: %+v", s)
+			}
+		}
+		started <- err // the Task is dropped here, without Close
+	}()
+	eventually(t, "the task attached", func() bool { return taskCount(t, tr) == 1 })
+	var err error
+	got := false
+	if !bubbleUntil(t, tr, func() bool {
+		select {
+		case err = <-started:
+			got = true
+		default:
+		}
+		return got
+	}) {
+		t.Fatal("the task never started")
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "the dropped task detached by its finalizer", func() bool {
+		runtime.GC()
+		return taskCount(t, tr) == 0
+	})
+}

@@ -210,6 +210,9 @@ func (t *Task) Run(task SideTask) (Outcome, error) {
 	if err != nil {
 		return 0, err
 	}
+	if t.running {
+		return 0, &Error{Status: ErrState, Message: "Run was called from inside Run (a SideTask method): return from the method instead"}
+	}
 	st := &runState{task: task, h: h, t: t}
 	handle := cgo.NewHandle(st)
 	defer handle.Delete()

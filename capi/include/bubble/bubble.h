@@ -595,7 +595,9 @@ typedef struct bb_task_grant_t {
   void *ptr;         /* a host pointer for host, a device pointer for the CUDA backends */
   uint64_t bytes;
   uint64_t revoke_deadline_ns; /* nonzero while the trainer revokes it: stop using it and call
-                                  bb_task_ack_revoke (or bb_task_ack_pause) before then */
+                                  bb_task_ack_revoke (or bb_task_ack_pause) before then; in a
+                                  step of bb_task_run, return from the step (the run gives it
+                                  back) */
 } bb_task_grant_t;
 
 /* The grant this task maps now (mapping one that was just offered). BB_E_NOT_FOUND when it holds
