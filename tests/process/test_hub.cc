@@ -349,14 +349,15 @@ TEST_CASE("a_task_its_trainer_dropped_takes_no_start_of_the_slots_next_task") {
 TEST_CASE("a_task_its_trainer_dropped_while_it_waited_takes_no_start_of_the_slots_next_task") {
   // The same, with the fork already waiting for a start when its slot is reclaimed and given to
   // the next task: it wakes to the next task's start and must see that it is not its own. It is
-  // stopped meanwhile, so that no liveness look of its wait notices the reclaim first.
+  // stopped meanwhile, so that no liveness look of its wait notices the reclaim first. It waits
+  // asleep, so the test sees it inside its wait (its only sleep after WAITING is the futex).
   RuntimeDir dir;
   Trainer t("stalew");
-  Child task(task_args("stalew", "forked", "fork-stale-waiting", {"--wake", "spin"}));
+  Child task(task_args("stalew", "forked", "fork-stale-waiting", {"--wake", "sleep"}));
   REQUIRE(task.wait_line("ATTACHED") != "");
   ForkedTask forked(task);
   REQUIRE(task.wait_line("WAITING") != "");
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // well inside its wait
+  REQUIRE(eventually([&] { return bbtest::proc_state(forked.pid) == 'S'; }));
   REQUIRE(kill(forked.pid, SIGSTOP) == 0);
   task.signal(SIGKILL);  // the process that attached
   task.wait_exit();
