@@ -484,7 +484,11 @@ def test_a_hub_that_closes_or_whose_trainer_is_killed_is_not_tried_again(env):
     env.start_agent("--verbose")
 
     def tries(name):
-        return [line for line in env.log_lines()
+        """Tries logged since the hub was last seen gone (one made before its trainer listened,
+        while the agent raced the trainer's bind, does not count)."""
+        lines = env.log_lines()
+        gone = max(i for i, line in enumerate(lines) if f"hub {name} gone" in line)
+        return [line for line in lines[gone + 1:]
                 if f"hub {name} not ready" in line or f"hub {name}: no trainer answers" in line]
 
     killed = env.trainer("killed", 0, duration=60)
