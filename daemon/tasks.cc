@@ -556,6 +556,7 @@ void Agent::terminate(TaskRow* row, const std::string& why) {
   // request is only sent: a refusal comes later (on_stop_refused), no answer at all ends with
   // the stop timer.
   int asked = 0;
+  std::string failed;  // why the hub could not pass on a stop, if it could not
   auto hit = hubs_.find(row->hub);
   if (hit != hubs_.end() && hit->second->alive && hit->second->obs) {
     for (const auto& [hid, rid] : hit->second->task_rows) {
@@ -563,11 +564,14 @@ void Agent::terminate(TaskRow* row, const std::string& why) {
       std::string err;
       if (hit->second->obs->stop_task(hid, &err) == BB_OK)
         ++asked;
-      else
-        agent_log("task #%lld: its hub could not pass on the stop (%s): SIGTERM instead",
-                  static_cast<long long>(row->id), err.c_str());
+      else if (failed.empty())
+        failed = err;
     }
   }
+  if (!failed.empty())  // one line per stop, whatever the number of slots
+    agent_log("task #%lld: its hub could not pass on the stop (%s)%s",
+              static_cast<long long>(row->id), failed.c_str(),
+              asked ? "; it was passed on for its other slots" : lt ? ": SIGTERM instead" : "");
   if (!lt) return;
   lt->stops_sent = asked;
   lt->stops_refused = 0;

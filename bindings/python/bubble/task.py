@@ -220,6 +220,7 @@ class Task:
         self.name = name
         self._scope = ViewScope()  # views of grant mappings, until a call that may unmap them
         self._lookup = GrantLookup()
+        self._run_thread: int | None = None  # the thread inside this task's run(), if any
 
     def _unmapping(self) -> None:
         """Before a call that may unmap the grant: views of it stop working."""
@@ -244,7 +245,15 @@ class Task:
         self._unmapping_call(h, lib.bb_task_detach)
 
     def _unmapping_call(self, h: ctypes.c_void_p, fn) -> None:
-        """A call that may unmap the grant: views of it stop working first."""
+        """A call that may unmap the grant: views of it stop working first. Inside this task's
+        own run() on this thread the runtime refuses the call (InvalidState) and unmaps nothing,
+        so the views a SideTask method took stay usable for the rest of that method."""
+        if self._run_thread == threading.get_ident():
+            status = fn(h)
+            if status == Status.OK:  # not expected: the runtime refuses these inside a run
+                self._unmapping()
+            check(status)
+            return
         self._unmapping()
         check(fn(h))
 
@@ -355,7 +364,11 @@ class Task:
                 # when something listens, the SIGINT gate or a SideTask's own idle().
                 if gate.active or own_idle:
                     cbs.idle = _lib.INIT_FN(idle)
-                st = lib.bb_task_run(h, ctypes.byref(cbs))
+                self._run_thread = threading.get_ident()
+                try:
+                    st = lib.bb_task_run(h, ctypes.byref(cbs))
+                finally:
+                    self._run_thread = None
                 # The error read inside the call: a detach left pending until the call returns
                 # would overwrite bb_last_error() once it has.
                 plain = (Status.OK, Status.E_STOPPED, Status.E_TRAINER_GONE, Status.E_CALLBACK)
@@ -384,6 +397,8 @@ class Task:
 
     def _wait_start(self, handle: ctypes.c_void_p, timeout: float | None) -> StartInfo | None:
         out = _lib.StartInfoC(size=ctypes.sizeof(_lib.StartInfoC))
+        if self._run_thread == threading.get_ident():  # refused inside a run: unmaps nothing
+            check(lib.bb_task_wait_start(handle, 0, ctypes.byref(out)))
         self._unmapping()
         # In slices of at most 100 ms: Python raises a Ctrl-C's KeyboardInterrupt only once the
         # call returns.

@@ -245,3 +245,53 @@ def test_a_grant_view_taken_in_a_side_task_method_ends_with_it(job):
         assert side.later == "ValueError"
         trainer.stop_task(task)
         assert runner.join_result() is bubble.Outcome.STOPPED
+
+
+class AcksInsideItsStep(bubble.SideTask):
+    """Takes its grant through Task.grant() in a step, then calls ack_revoke, ack_pause and
+    wait_start there, which the runtime refuses inside a run, and goes on using the view."""
+
+    def __init__(self) -> None:
+        self.task: bubble.Task | None = None
+        self.refused: list[str] = []
+        self.after: str | None = None  # what touching the view after the refusals did
+
+    def step(self, info: bubble.StepInfo) -> bool:
+        if self.after is not None:
+            return False
+        g = self.task.grant()
+        if g is None or g.memory is None:
+            return False
+        view = g.memory
+        view[0] = 9
+        for ack in (self.task.ack_revoke, self.task.ack_pause, self.task.wait_start):
+            try:
+                ack()
+            except bubble.InvalidState:
+                self.refused.append(ack.__name__)
+        try:
+            view[1] = view[0]
+            self.after = "written"
+        except ValueError:
+            self.after = "ValueError"
+        return False
+
+
+def test_an_ack_refused_inside_a_run_leaves_the_steps_grant_views_usable(job):
+    """The runtime refuses ack_revoke, ack_pause and wait_start from a task's own run (they
+    would unmap the grant under the step): the refusal unmaps nothing, so it closes no view."""
+    side = AcksInsideItsStep()
+    with bubble.Trainer(job, 0) as trainer:
+        trainer.lend(LENT)
+
+        def go():
+            with bubble.Task(job, 0, "acks-in-step", mem_need=GRANT) as task:
+                side.task = task
+                return task.run(side)
+        runner = Background(go)
+        task = only_task(trainer)
+        assert bubble_until(trainer, lambda: side.after is not None)
+        assert side.refused == ["ack_revoke", "ack_pause", "wait_start"]
+        assert side.after == "written"
+        trainer.stop_task(task)
+        assert runner.join_result() is bubble.Outcome.STOPPED
