@@ -227,6 +227,19 @@ class TakesItsGrant(bubble.SideTask):
         return False
 
 
+def run_until(job: str, trainer: bubble.Trainer, side, done) -> tuple[Background, bubble.TaskInfo]:
+    """Runs `side` (which is handed its Task as side.task) as an iterative task with a mem_need
+    on a thread, in bubbles until done() holds; returns the thread and the task's info."""
+    def go():
+        with bubble.Task(job, 0, type(side).__name__, mem_need=GRANT) as task:
+            side.task = task
+            return task.run(side)
+    runner = Background(go)
+    task = only_task(trainer)
+    assert bubble_until(trainer, done)
+    return runner, task
+
+
 def test_a_grant_view_taken_in_a_side_task_method_ends_with_it(job):
     """Between two steps the runtime may unmap a revoked grant: a view taken through
     Task.grant() in a step goes with that step, as the step's own grant view does, so keeping
@@ -234,14 +247,7 @@ def test_a_grant_view_taken_in_a_side_task_method_ends_with_it(job):
     side = TakesItsGrant()
     with bubble.Trainer(job, 0) as trainer:
         trainer.lend(LENT)
-
-        def go():
-            with bubble.Task(job, 0, "takes-grant", mem_need=GRANT) as task:
-                side.task = task
-                return task.run(side)
-        runner = Background(go)
-        task = only_task(trainer)
-        assert bubble_until(trainer, lambda: side.later is not None)
+        runner, task = run_until(job, trainer, side, lambda: side.later is not None)
         assert side.later == "ValueError"
         trainer.stop_task(task)
         assert runner.join_result() is bubble.Outcome.STOPPED
@@ -283,14 +289,7 @@ def test_an_ack_refused_inside_a_run_leaves_the_steps_grant_views_usable(job):
     side = AcksInsideItsStep()
     with bubble.Trainer(job, 0) as trainer:
         trainer.lend(LENT)
-
-        def go():
-            with bubble.Task(job, 0, "acks-in-step", mem_need=GRANT) as task:
-                side.task = task
-                return task.run(side)
-        runner = Background(go)
-        task = only_task(trainer)
-        assert bubble_until(trainer, lambda: side.after is not None)
+        runner, task = run_until(job, trainer, side, lambda: side.after is not None)
         assert side.refused == ["ack_revoke", "ack_pause", "wait_start"]
         assert side.after == "written"
         trainer.stop_task(task)
