@@ -126,6 +126,11 @@ bool init_alive_mutex(pthread_mutex_t* m) {
 }
 
 constexpr uint64_t kHelloTimeoutNs = 2'000'000'000ull;
+// How many sleepers a doorbell's futex wake wakes. A slot has one waiter, its task's
+// wait_start; anything else parked on the word (every holder of the hub can wait on it) must
+// not make a wake, on the bubble thread above all, cost one wake-up per waiter. A waiter that
+// takes the wake instead of the task delays the task to its next liveness look (100 ms).
+constexpr int kDoorbellWaiters = 1;
 constexpr size_t kMaxPeers = 64;  // connections holding no task slot
 // A flood of connections holds the service thread for at most this many accepts a loop (the
 // listening socket stays readable, so the next loop takes the rest) ...
@@ -291,7 +296,7 @@ void Trainer::shutdown() {
       SlotCtl* c = slot_ctl(i);
       c->run_epoch.store(0, std::memory_order_release);
       c->doorbell.fetch_add(1, std::memory_order_release);
-      shm::futex_wake(&c->doorbell, INT_MAX);
+      shm::futex_wake(&c->doorbell, kDoorbellWaiters);
     }
   }
   if (service_.joinable()) {
@@ -418,7 +423,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
     // the new doorbell, or we see it sleeping and wake it.
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (s.page->sleeping.load(std::memory_order_relaxed)) {
-      shm::futex_wake(&c->doorbell, INT_MAX);
+      shm::futex_wake(&c->doorbell, kDoorbellWaiters);
       ++wakes;
     }
     running_[n_running_++] = i;
@@ -499,7 +504,7 @@ void Trainer::end_locked(uint64_t now) {
     // A task that acked meanwhile is waiting for the next start, not for this pause.
     if (s.page->sleeping.load(std::memory_order_relaxed) &&
         s.page->acked_epoch.load(std::memory_order_relaxed) != s.epoch) {
-      shm::futex_wake(&c->doorbell, INT_MAX);
+      shm::futex_wake(&c->doorbell, kDoorbellWaiters);
       ++wakes;
     }
     ++pauses;
@@ -677,7 +682,7 @@ bb_status Trainer::stop_slot(uint64_t task_id) {
   c->stop.store(1, std::memory_order_release);
   c->run_epoch.store(0, std::memory_order_release);
   c->doorbell.fetch_add(1, std::memory_order_release);
-  shm::futex_wake(&c->doorbell, INT_MAX);
+  shm::futex_wake(&c->doorbell, kDoorbellWaiters);
   publish_change();
   return BB_OK;
 }
@@ -1485,7 +1490,7 @@ void Trainer::ring_doorbell(uint32_t i) {
   SlotCtl* c = slot_ctl(i);
   c->grant_change.fetch_add(1, std::memory_order_release);  // G1
   c->doorbell.fetch_add(1, std::memory_order_release);
-  shm::futex_wake(&c->doorbell, INT_MAX);
+  shm::futex_wake(&c->doorbell, kDoorbellWaiters);
 }
 
 bb_status Trainer::offer_grant(uint32_t i, uint64_t bytes, uint64_t* id, std::string* error) {

@@ -9,8 +9,20 @@
 // Tries to shrink its page to nothing and to grow it (which would leave the trainer's mapping
 // of it reading past the end of the file), prints "SHRINK <result>" and "GROW <result>" (OK or
 // the error), stays attached for SECONDS and exits 0.
+//
+//   bb_hostile_task SOCKET_PATH SECONDS --park N
+// Parks N threads in FUTEX_WAIT on its slot's doorbell while it always looks asleep and ready
+// (its page says sleeping, and it acks every start at once), so every start the trainer gives
+// it ends in a wake. Prints "PARKED"; at a line on stdin (or after SECONDS) prints "WAKES <n>",
+// the number of those threads woken by a FUTEX_WAKE, and exits 0.
+#include <linux/futex.h>
 #include <sys/mman.h>
+#include <sys/select.h>
+#include <sys/syscall.h>
 #include <unistd.h>
+
+#include <atomic>
+#include <thread>
 
 #include <cerrno>
 #include <cstring>
@@ -23,10 +35,59 @@
 #include "shm/segment.h"
 #include "tests/helpers/raw_attach.h"
 
+namespace {
+
+// --park: N threads parked on the slot's doorbell and one acking every start; prints the
+// number of wakes they saw and exits.
+[[noreturn]] void park(unsigned char* hub, const bbtest::RawAttach& a, bb::shm::TaskPage* page,
+                       int n, double seconds) {
+  bb::shm::HubView v{hub};
+  bb::shm::SlotCtl* c = v.slot(a.reply.slot);
+  static std::atomic<uint64_t> wakes{0};
+  static std::atomic<int> parked{0};
+  for (int i = 0; i < n; ++i) {
+    std::thread([c] {
+      bool counted = false;
+      for (;;) {
+        const uint32_t bell = c->doorbell.load(std::memory_order_acquire);
+        if (!counted) counted = true, parked.fetch_add(1);
+        // A wake returns 0; a doorbell that moved before the wait returns EAGAIN (not counted).
+        if (syscall(SYS_futex, reinterpret_cast<uint32_t*>(&c->doorbell), FUTEX_WAIT, bell,
+                    nullptr, nullptr, 0) == 0)
+          wakes.fetch_add(1);
+      }
+    }).detach();
+  }
+  std::thread([c, page] {
+    for (;;) {  // always ready: acks every start as soon as it sees it
+      page->sleeping.store(1, std::memory_order_relaxed);
+      const uint32_t e = c->given_epoch.load(std::memory_order_acquire);
+      if (page->acked_epoch.load(std::memory_order_relaxed) != e)
+        page->acked_epoch.store(e, std::memory_order_release);
+      usleep(20);
+    }
+  }).detach();
+  while (parked.load() < n) usleep(1000);
+  usleep(20000);  // the last ones from their count into their wait
+  std::printf("PARKED\n");
+  std::fflush(stdout);
+  timeval tv{time_t(seconds), suseconds_t((seconds - double(time_t(seconds))) * 1e6)};
+  fd_set in;
+  FD_ZERO(&in);
+  FD_SET(0, &in);
+  select(1, &in, nullptr, nullptr, &tv);  // a line on stdin, or SECONDS
+  std::printf("WAKES %llu\n", static_cast<unsigned long long>(wakes.load()));
+  std::fflush(stdout);
+  _exit(0);
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   const bool resize = argc == 4 && std::strcmp(argv[3], "--resize") == 0;
-  if (argc != 3 && !resize) {
-    std::fprintf(stderr, "usage: %s SOCKET_PATH SECONDS [--resize]\n", argv[0]);
+  const int park_n = argc == 5 && std::strcmp(argv[3], "--park") == 0 ? std::atoi(argv[4]) : 0;
+  if (argc != 3 && !resize && park_n <= 0) {
+    std::fprintf(stderr, "usage: %s SOCKET_PATH SECONDS [--resize | --park N]\n", argv[0]);
     return 64;
   }
   bbtest::RawAttach a;
@@ -42,6 +103,9 @@ int main(int argc, char** argv) {
   if (page == MAP_FAILED || hub == MAP_FAILED) return 3;
   std::printf("ATTACHED\n");
   std::fflush(stdout);
+  if (park_n > 0)
+    park(const_cast<unsigned char*>(hub), a, reinterpret_cast<bb::shm::TaskPage*>(page), park_n,
+         std::atof(argv[2]));
   if (resize) {
     const int shrink = ftruncate(a.page_fd, 0) == 0 ? 0 : errno;
     const int grow = ftruncate(a.page_fd, off_t(bb::shm::kTaskPageSize) * 4) == 0 ? 0 : errno;

@@ -5,7 +5,9 @@
 #include <sys/un.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <string>
+#include <thread>
 
 #include "core/observer.h"
 #include "core/paths.h"
@@ -129,6 +131,39 @@ TEST_CASE("a_task_cannot_resize_its_page_under_the_trainer") {
   REQUIRE(bb::core::HubObserver::open("", "resize", 0, &obs, &err) == BB_OK);
   CHECK(obs->snapshot().tasks.size() == 1);  // maps the task's page as well
   obs.reset();
+  bb_trainer_close(t);
+  CHECK(dir.files().empty());
+}
+
+TEST_CASE("threads_a_task_parks_on_its_doorbell_cost_a_bubble_one_wake_not_one_each") {
+  // Every holder of the hub can futex-wait on any slot's doorbell. A task that parks many
+  // threads there and always looks asleep must not make each begin wake them all (a syscall
+  // whose cost grows with the waiters, on the trainer's thread): a slot has one waiter, and the
+  // bubble thread wakes one. Counted, not timed: the parked threads count their wakes.
+  RuntimeDir dir;
+  bb_trainer_h t = nullptr;
+  REQUIRE(bb_trainer_open("park", 0, nullptr, &t) == BB_OK);
+  Child evil({BB_HOSTILE_TASK, hub_socket(dir, "park"), "60", "--park", "64"}, true);
+  REQUIRE(evil.wait_line("ATTACHED") != "");
+  REQUIRE(evil.wait_line("PARKED", 30000) != "");
+  constexpr int kBubbles = 200;
+  for (int i = 0; i < kBubbles; ++i) {
+    REQUIRE(bb_bubble_begin(t, 1'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+    REQUIRE(bb_bubble_end(t) == BB_OK);
+    std::this_thread::sleep_for(std::chrono::microseconds(500));  // the woken ones park again
+  }
+  bb_trainer_stats_t st{sizeof st};
+  REQUIRE(bb_trainer_stats(t, &st) == BB_OK);
+  REQUIRE(evil.write_stdin("count\n"));
+  const std::string line = evil.wait_line("WAKES");
+  REQUIRE(line != "");
+  const uint64_t wakes = std::stoull(line.substr(6));
+  MESSAGE("wakes seen by the 64 parked threads over " << kBubbles << " bubbles: " << wakes
+          << " (starts " << st.starts << ")");
+  CHECK(st.starts > 0);
+  CHECK(wakes > 0);                      // the trainer does wake a sleeping task it starts
+  CHECK(wakes <= 2 * uint64_t(kBubbles));  // at most one per begin and one per end
+  CHECK(evil.wait_exit() == 0);
   bb_trainer_close(t);
   CHECK(dir.files().empty());
 }
