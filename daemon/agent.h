@@ -187,6 +187,8 @@ class Agent {
   // Kills what is left of a submitted task's process group once its wrapper is gone.
   void kill_orphans(const TaskRow& row, bool wrapper_died);
   void signal_task(const TaskRow& row, int sig);
+  // A self-attached task whose pid is its hub's trainer's (it runs on a trainer's thread).
+  static bool in_trainer_process(const TaskRow& row, const Hub& hub);
   // Ends as lost the rows of tasks that attached by themselves to `hub`, unless it is open.
   void end_attached_rows(const std::string& hub, const std::string& why);
   // Continues a task that enforcement stopped, records why, and saves it as running.

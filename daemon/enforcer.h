@@ -28,6 +28,7 @@ struct EnforceState {
   uint64_t cont_seq = 0;         // the bubble it was continued in
   uint32_t violations = 0;
   bool marked_bad = false;       // the trainer found its slot corrupt; recorded once
+  bool in_trainer_noted = false; // a task inside its trainer's process: its violation recorded
 };
 
 enum class Verdict { kNone, kStop, kContinue, kKill };

@@ -578,6 +578,22 @@ void Agent::enforce_hub(Hub* hub, uint64_t now) {
     Verdict v = enforce_step(cfg_.enforce, &st, moment, {t.pause_requested_ns, t.pause_acked_ns, t.started},
                              now);
     if (v == Verdict::kNone) continue;
+    if (in_trainer_process(row, *hub)) {
+      // A task on a thread of its trainer (the C ABI allows it): a signal would stop or kill
+      // the trainer, and every rank with it. Its trainer decides about its threads; the agent
+      // records the first violation and signals nothing.
+      if (!st.in_trainer_noted && (v == Verdict::kStop || v == Verdict::kKill)) {
+        st.in_trainer_noted = true;
+        row.violations = std::max(row.violations, st.violations);
+        if (row.state != "stopping")
+          row.message = "ignores pauses, but runs inside its trainer's process: not signalled";
+        record(&row, row.pid, hub->name, "unenforced",
+               "pause not acked within the grace period; the task runs inside its trainer's "
+               "process (pid " + std::to_string(row.pid) + "), which the agent never signals");
+        save(row);
+      }
+      continue;
+    }
     row.violations = std::max(row.violations, st.violations);
     char detail[200];
     switch (v) {

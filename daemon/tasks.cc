@@ -516,10 +516,21 @@ void Agent::kill_orphans(const TaskRow& row, bool wrapper_died) {
   }
 }
 
+bool Agent::in_trainer_process(const TaskRow& row, const Hub& hub) {
+  return row.origin == "attached" && row.pid > 0 && row.pid == hub.snap.trainer_pid;
+}
+
 void Agent::signal_task(const TaskRow& row, int sig) {
   if (row.pid <= 0) return;
   // Never signal a process that merely reuses the pid.
   if (row.pid_start && !same_process(row.pid, row.pid_start)) return;
+  // Nor a trainer: a task attached from a thread of its trainer has the trainer's pid.
+  auto hit = hubs_.find(row.hub);
+  if (hit != hubs_.end() && in_trainer_process(row, *hit->second)) {
+    agent_log("task #%lld runs inside its trainer's process (pid %d): not sent %s",
+              static_cast<long long>(row.id), row.pid, strsignal(sig));
+    return;
+  }
   if (row.origin == "attached") {
     kill(row.pid, sig);
   } else {

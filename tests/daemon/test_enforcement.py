@@ -115,3 +115,29 @@ def test_an_agent_that_stops_continues_the_tasks_it_had_stopped(env):
     assert proc_state(wrapper) not in ("T", ""), proc_state(wrapper)
     env.start_agent()  # (which may stop it again soon: it still does not pause)
     assert any("the agent is stopping" in a for a in _actions_of(env, tid))
+
+
+def test_a_task_inside_its_trainers_process_is_never_signalled(env):
+    """The C ABI lets a trainer run a side task on one of its own threads; that task's pid is
+    the trainer's. When it ignores pauses, a SIGSTOP or SIGKILL would stop or kill the trainer
+    (and hang every rank with it): the agent records the violation and signals nothing."""
+    env.start_agent("--grace-ms", "20", "--kill-after", "2")
+    both = env.spawn([TASK_ROGUE, "--own-trainer"], "own-trainer.log",
+                     env=dict(env.env, BUBBLE_JOB="own", BUBBLE_RANK="0"))
+    unenforced = wait_until(
+        "the violation recorded",
+        lambda: [a for a in env.ctl("actions").stdout.splitlines()[1:] if a.split()[4:5] == ["unenforced"]])
+    tid = int(unenforced[0].split()[1])
+    t = env.task(tid)
+    assert t["pid"] == both.pid and t["state"] == "running", t
+    assert "inside its trainer's process" in t["message"], t
+    # Past the violation that would have killed it (the second: --kill-after 2).
+    before = env.hub("own:0")["bubbles"]
+    wait_until("more bubbles", lambda: env.hub("own:0")["bubbles"] > before + 5)
+    assert both.poll() is None and proc_state(both.pid) not in ("T", "t", ""), proc_state(both.pid)
+    kinds = [a.split()[4] for a in _actions_of(env, tid)]
+    assert kinds == ["unenforced"], kinds
+    assert env.task(tid)["state"] == "running"
+    # A cancel goes through the hub, never as a signal to the trainer.
+    env.ctl("cancel", str(tid))
+    assert both.poll() is None
