@@ -311,6 +311,84 @@ TEST_CASE("iterative: detach() from a side_task method is done as run() returns"
   CHECK(eventually([&] { return t.tasks().empty(); }));
 }
 
+// What a side_task method does to its own task, inside the task's run.
+struct task_changer : bubble::side_task {
+  enum class what { destroy, move_out, nested_run } act;
+  std::unique_ptr<bubble::task>* owner = nullptr;
+  std::optional<bubble::task> moved;
+  int steps = 0;
+  std::optional<bubble::status> nested;  // what run() inside run() threw
+  explicit task_changer(what a) : act(a) {}
+  bubble::step_result step(const bubble::step_info&) override {
+    if (++steps == 1) {
+      switch (act) {
+        case what::destroy: owner->reset(); break;  // "clean up" from inside the run
+        case what::move_out: moved.emplace(std::move(**owner)); break;
+        case what::nested_run:
+          (*owner)->detach();  // asked first: done as the outer run returns, not by the inner
+          try {
+            (*owner)->run(*this);
+          } catch (const bubble::error& e) {
+            nested = e.code();
+          }
+          break;
+      }
+    }
+    return steps == 3 ? bubble::step_result::done : bubble::step_result::more;
+  }
+};
+
+// Runs a task_changer's task in one bubble on another thread; the outcome of its run.
+bubble::outcome run_changer(const std::string& job, bubble::trainer& t, task_changer& c,
+                            std::unique_ptr<bubble::task>& k) {
+  k = std::make_unique<bubble::task>(job, 0, "changer");
+  c.owner = &k;
+  bubble::task* raw = k.get();
+  auto run = std::async(std::launch::async, [&] { return raw->run(c); });
+  REQUIRE(eventually([&] { return t.tasks().size() == 1; }));
+  t.begin(200ms);
+  REQUIRE(run.wait_for(20s) == std::future_status::ready);
+  t.end();
+  return run.get();
+}
+
+TEST_CASE("iterative: a task destroyed from inside its own run is detached as the run returns") {
+  auto job = unique_job();
+  bubble::trainer t(job, 0);
+  task_changer c(task_changer::what::destroy);
+  std::unique_ptr<bubble::task> k;
+  CHECK(run_changer(job, t, c, k) == bubble::outcome::finished);  // the run went on
+  CHECK(c.steps == 3);
+  CHECK(!k);
+  CHECK(eventually([&] { return t.tasks().empty(); }));  // not left attached
+}
+
+TEST_CASE("iterative: a task moved from inside its own run keeps its handle in the new owner") {
+  auto job = unique_job();
+  bubble::trainer t(job, 0);
+  task_changer c(task_changer::what::move_out);
+  std::unique_ptr<bubble::task> k;
+  CHECK(run_changer(job, t, c, k) == bubble::outcome::finished);
+  REQUIRE(c.moved);
+  CHECK_THROWS_AS((void)k->native_handle(), bubble::error);  // moved from
+  CHECK(c.moved->native_handle() != nullptr);
+  CHECK(t.tasks().size() == 1);  // still attached, through its new owner
+  c.moved->detach();             // which can detach it now that the run is over
+  CHECK(eventually([&] { return t.tasks().empty(); }));
+}
+
+TEST_CASE("iterative: run() inside its own run() is refused with E_STATE and the run goes on") {
+  auto job = unique_job();
+  bubble::trainer t(job, 0);
+  task_changer c(task_changer::what::nested_run);
+  std::unique_ptr<bubble::task> k;
+  CHECK(run_changer(job, t, c, k) == bubble::outcome::finished);
+  CHECK(c.nested == bubble::status::E_STATE);
+  CHECK(c.steps == 3);
+  CHECK_THROWS_AS((void)k->native_handle(), bubble::error);  // the detach asked for was done
+  CHECK(eventually([&] { return t.tasks().empty(); }));
+}
+
 TEST_CASE("iterative: idle() runs while the task waits, and done from it finishes the run") {
   struct idler : bubble::side_task {
     std::atomic<int> idles{0};

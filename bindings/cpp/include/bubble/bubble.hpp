@@ -91,10 +91,16 @@ class unique_handle {
     return h_;
   }
   explicit operator bool() const noexcept { return h_ != nullptr; }
-  // Closes now; a destructor cannot report the status, this can.
+  // Closes now; a destructor cannot report the status, this can. A close the library refused
+  // (E_STATE: the handle is in use by a call in progress) keeps the handle.
   void close() {
-    if (Handle h = std::exchange(h_, nullptr)) check(Close(h));
+    if (!h_) return;
+    const bb_status s = Close(h_);
+    if (s != BB_E_STATE) h_ = nullptr;
+    check(s);
   }
+  // Gives the handle up without closing it.
+  Handle release() noexcept { return std::exchange(h_, nullptr); }
 
  private:
   void reset() noexcept {
@@ -547,6 +553,21 @@ class task {
     detail::check(bb_task_attach(job, rank, cname, &opts, &h));
     h_ = handle(h);
   }
+  // A task may be moved, and destroyed, even from a side_task method inside its own run():
+  // the run goes on with the handle, and detaches it as it returns if no task owns it then.
+  task(task&& o) noexcept : h_(std::move(o.h_)), run_(std::exchange(o.run_, nullptr)) {
+    if (run_) run_->owner = this;
+  }
+  task& operator=(task&& o) noexcept {
+    if (this != &o) {
+      give_up();
+      h_ = std::move(o.h_);
+      run_ = std::exchange(o.run_, nullptr);
+      if (run_) run_->owner = this;
+    }
+    return *this;
+  }
+  ~task() { give_up(); }
 
   // Iterative: the runtime drives t until it is done, stopped or the trainer leaves.
   outcome run(side_task& t) { return run_with(t); }
@@ -568,7 +589,7 @@ class task {
     return info;
   }
   // One load from shared memory; true once the bubble ended or a stop was asked.
-  bool should_pause() const { return bb_task_should_pause(h_.get()) != 0; }
+  bool should_pause() { return bb_task_should_pause(h_.get()) != 0; }
   void ack_pause() { detail::check(bb_task_ack_pause(h_.get())); }
   void report_step(std::chrono::nanoseconds d) {
     detail::check(bb_task_report_step(h_.get(), detail::to_ns(d)));
@@ -577,7 +598,7 @@ class task {
     std::optional<uint64_t> left_ns;  // empty when the trainer gave no deadline
     uint64_t est_step_ns;             // 0 before the first step
   };
-  time_budget time_left() const {
+  time_budget time_left() {
     uint64_t left = 0, est = 0;
     detail::check(bb_task_time_left(h_.get(), &left, &est));
     return {left == UINT64_MAX ? std::nullopt : std::optional<uint64_t>(left), est};
@@ -601,8 +622,8 @@ class task {
   // Acks any pending pause and releases the slot now (the destructor does it silently). From a
   // side_task method inside run() it is done as run() returns: the run still uses the handle.
   void detach() {
-    if (running_)
-      detach_after_run_ = true;
+    if (run_)
+      run_->detach_after = true;
     else
       h_.close();
   }
@@ -710,20 +731,26 @@ class task {
     cbs.resume = &B::resume;
     cbs.finish = &B::finish;
     if constexpr (B::requires_idle) cbs.idle = &B::idle;  // without it the runtime just waits
+    if (run_)
+      throw error(status::E_STATE,
+                  "run() called from inside this task's own run(): return from the callback "
+                  "instead (its step is called again)");
     // A detach() asked for by a method is done on the way out, after the outcome (and any
-    // error sentence) was taken.
+    // error sentence) was taken. The scope lives on this stack, not in the task, which a
+    // method may move or destroy meanwhile.
     struct run_scope {
-      task& k;
+      run_frame f;
       ~run_scope() {
-        k.running_ = false;
-        if (k.detach_after_run_) {
-          k.detach_after_run_ = false;
-          k.h_.close();
+        if (f.owner) {
+          f.owner->run_ = nullptr;
+          if (f.detach_after) (void)bb_task_detach(f.owner->h_.release());
         }
+        if (f.orphan) (void)bb_task_detach(f.orphan);
       }
-    } scope{*this};
-    running_ = true;
-    bb_status s = bb_task_run(h_.get(), &cbs);
+    } scope{{this, nullptr, false}};
+    bb_task_h h = h_.get();
+    run_ = &scope.f;
+    bb_status s = bb_task_run(h, &cbs);
     if (b.failure) std::rethrow_exception(b.failure);
     switch (s) {
       case BB_OK: return outcome::finished;
@@ -733,10 +760,26 @@ class task {
     }
   }
 
+  // The run in progress, on run()'s stack: who owns the task now (a method may move or destroy
+  // it), and what to detach when the run returns.
+  struct run_frame {
+    task* owner;         // the task object holding the handle; null once destroyed
+    bb_task_h orphan;    // the handle, once no task object holds it
+    bool detach_after;   // detach() was called inside the run
+  };
+  // Inside a run, the handle goes to the run, which detaches it as it returns; otherwise now.
+  void give_up() noexcept {
+    if (run_) {
+      if (bb_task_h h = h_.release()) run_->orphan = h;
+      run_->owner = nullptr;
+      run_ = nullptr;
+    }
+    h_ = handle();
+  }
+
   using handle = detail::unique_handle<bb_task_h, bb_task_detach>;
   handle h_;
-  bool running_ = false;           // inside run()
-  bool detach_after_run_ = false;  // detach() from a side_task method, done as run() returns
+  run_frame* run_ = nullptr;  // the run this task is inside, if any
 };
 
 }  // namespace bubble
