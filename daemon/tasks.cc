@@ -815,7 +815,12 @@ std::string Agent::readopt_tasks() {
         LiveTask* lt = live(id);
         if (lt) lt->cancel = row.message.find("cancel") != std::string::npos;
         if (lt) lt->replace = !lt->cancel;
-        terminate(&row, "stop requested before the agent restarted");
+        // The stop goes on for the reason it was asked for: the message is what the next agent
+        // reads it from (a cancel must stay a cancel however many restarts come).
+        const std::string prefix = "stopping: ";
+        terminate(&row, row.message.rfind(prefix, 0) == 0
+                            ? row.message.substr(prefix.size())
+                            : "stop requested before the agent restarted");
       }
       continue;
     }
@@ -846,6 +851,8 @@ void Agent::settle_dead_tasks() {
     lt->agent = this;
     lt->id = id;
     lt->cancel = row.state == "stopping" && row.message.find("cancel") != std::string::npos;
+    // Stopped for another hub (its own drained or gone): placed again, as a running agent does.
+    lt->replace = row.state == "stopping" && !lt->cancel;
     LiveTask* raw = lt.get();
     live_[id] = std::move(lt);
     on_task_exit(raw, st);

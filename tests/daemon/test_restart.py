@@ -271,3 +271,46 @@ def test_a_drained_hub_stays_drained_across_a_restart(env):
     assert "when it comes back" in env.ctl("undrain", "--hub", "j:0").stdout
     env.trainer("j", 0)
     assert not wait_until("the hub back", lambda: env.hub("j:0"))["draining"]
+
+
+def test_a_cancel_stays_a_cancel_across_restarts(env):
+    """A task still stopping after a cancel is stopped again by a restarted agent, for the same
+    reason: however many restarts come before it ends, it ends cancelled, and is not run again
+    as if it had been stopped to be placed elsewhere."""
+    env.trainer("j", 0)
+    # It ignores SIGTERM (so does its sleep), and the stop's SIGKILL is far beyond the test.
+    opts = ("--stop-timeout-ms", "600000")
+    env.start_agent(*opts)
+    tid = env.submit("/bin/sh", "-c", "trap '' TERM; while :; do sleep 0.05; done")
+    pid = env.wait_state(tid, "running")["pid"]
+    env.ctl("cancel", str(tid))
+    assert env.task(tid)["state"] == "stopping"
+    for _ in range(2):
+        env.kill_agent(signal.SIGKILL)
+        env.start_agent(*opts)
+        assert env.task(tid)["state"] == "stopping"
+        assert "cancel" in env.task(tid)["message"], env.task(tid)
+    os.killpg(pid, signal.SIGKILL)
+    t = env.wait_state(tid, ("cancelled", "failed", "finished", "killed", "queued", "running"))
+    assert t["state"] == "cancelled" and t["attempts"] == 1, t
+
+
+def test_a_task_drained_while_the_agent_was_down_is_placed_again(env):
+    """A drain stops a hub's tasks to place them on other hubs. One that obeyed the stop while
+    the agent was down is placed again by the restarted agent, as a running agent would."""
+    env.trainer("j", 0)
+    env.start_agent()
+    tid = env.submit(TASK_GOOD, "0")  # placed by the agent: on j:0, the only hub yet
+    pid = env.wait_state(tid, "running")["pid"]
+    assert env.task(tid)["hub"] == "j:0"
+    wait_until("the task on its hub", lambda: env.hub("j:0")["tasks"] >= 1)
+    env.trainer("k", 0)
+    wait_until("the second hub", lambda: env.hub("k:0") is not None)
+    env.ctl("drain", "--hub", "j:0")
+    env.kill_agent(signal.SIGKILL)
+    wait_until("the task to obey the stop", lambda: gone(pid))
+    env.start_agent()
+    t = wait_until("the task ended or running on k:0",
+                   lambda: (t := env.task(tid))["state"] not in ("queued", "running", "stopping")
+                   or (t["state"] == "running" and t["hub"] == "k:0") and t)
+    assert t["state"] == "running" and t["hub"] == "k:0" and t["attempts"] == 2, t
