@@ -55,6 +55,11 @@ struct Trainer::Slot {
   int conn = -1;                // index into conns_, -1 if none
   bool pending_free = false;
   uint64_t dropped_seen = 0;
+  // What the task's reports may still claim (service thread): step time only within wall time
+  // since the attach, each interval after the last one reported; one start and one pause
+  // latency per run epoch the trainer gave, in order.
+  uint64_t steps_until_ns = 0;
+  uint32_t started_seen = 0, paused_seen = 0;
   // Grants. grant_ready is the hand-off to the bubble thread: the grant a START names, 0 while
   // the task holds none or it is being revoked. Written by the service thread only.
   std::atomic<uint64_t> grant_ready{0};
@@ -169,6 +174,15 @@ constexpr uint64_t kBadTaskRevokeNs = 5'000'000'000ull;
 constexpr int kMaxTaskMessages = 16;  // per wake-up, so a chatty task cannot hog the service
 
 uint32_t next_epoch(uint32_t e) { return e + 1 == 0 ? 1 : e + 1; }
+
+// A start or pause report's epoch is believed once, in order, and only for an epoch the trainer
+// already gave the slot (its given_epoch): one latency sample per real start or pause.
+bool newer_given_epoch(uint32_t epoch, uint32_t* seen, const shm::SlotCtl* ctl) {
+  const uint32_t given = ctl->given_epoch.load(std::memory_order_acquire);
+  if (epoch == 0 || int32_t(epoch - *seen) <= 0 || int32_t(given - epoch) < 0) return false;
+  *seen = epoch;
+  return true;
+}
 
 void write_str(char* dst, size_t cap, const char* src) { std::snprintf(dst, cap, "%s", src); }
 
@@ -1072,6 +1086,8 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   s.generation = gen;
   s.epoch = 0;
   s.dropped_seen = 0;
+  s.steps_until_ns = now_ns();
+  s.started_seen = s.paused_seen = 0;
   s.released.store(0, std::memory_order_relaxed);
   s.grant_ready.store(0, std::memory_order_relaxed);
   s.task_id = uint64_t(i) | uint64_t(gen) << 32;
@@ -1206,12 +1222,14 @@ void Trainer::drain_reports() {
       if (rep.ts_ns > now || rep.a > kMaxSaneNs) continue;
       switch (shm::ReportType(rep.type)) {
         case shm::ReportType::kStarted: {
+          if (!newer_given_epoch(rep.epoch, &s.started_seen, ctl)) continue;
           std::lock_guard<std::mutex> lock(stats_mu_);
           start_latency_.record(rep.a);
           log_service(shm::EventKind::kTaskStart, i, rep.ts_ns, rep.epoch, rep.a);
           break;
         }
         case shm::ReportType::kPaused:
+          if (!newer_given_epoch(rep.epoch, &s.paused_seen, ctl)) continue;
           if (rep.b == 0) {  // b = 1 marks a task that yielded before the bubble ended
             std::lock_guard<std::mutex> lock(stats_mu_);
             pause_latency_.record(rep.a);
@@ -1220,14 +1238,20 @@ void Trainer::drain_reports() {
           break;
         case shm::ReportType::kStep: {
           if (rep.b > rep.a || rep.a > rep.ts_ns || rep.count == 0) continue;
+          // Steps follow one another: a report claims at most the time since the last one
+          // ended (or since the attach), so a task's step time never exceeds its wall time.
+          if (rep.ts_ns <= s.steps_until_ns) continue;
+          const uint64_t a = std::min(rep.a, rep.ts_ns - s.steps_until_ns);
+          const uint64_t b = std::min(rep.b, a);
+          s.steps_until_ns = rep.ts_ns;
           hs->steps.fetch_add(rep.count, std::memory_order_relaxed);
-          hs->ns_in_bubbles.fetch_add(rep.a - rep.b, std::memory_order_relaxed);
-          hs->ns_outside.fetch_add(rep.b, std::memory_order_relaxed);
+          hs->ns_in_bubbles.fetch_add(a - b, std::memory_order_relaxed);
+          hs->ns_outside.fetch_add(b, std::memory_order_relaxed);
           ctl->steps.fetch_add(rep.count, std::memory_order_relaxed);
-          ctl->step_ns.fetch_add(rep.a, std::memory_order_relaxed);
-          ctl->ns_in_bubbles.fetch_add(rep.a - rep.b, std::memory_order_relaxed);
-          ctl->ns_outside.fetch_add(rep.b, std::memory_order_relaxed);
-          log_service(shm::EventKind::kTaskStep, i, rep.ts_ns - rep.a, rep.a, rep.b);
+          ctl->step_ns.fetch_add(a, std::memory_order_relaxed);
+          ctl->ns_in_bubbles.fetch_add(a - b, std::memory_order_relaxed);
+          ctl->ns_outside.fetch_add(b, std::memory_order_relaxed);
+          log_service(shm::EventKind::kTaskStep, i, rep.ts_ns - a, a, b);
           break;
         }
         case shm::ReportType::kFinished:

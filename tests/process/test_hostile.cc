@@ -237,6 +237,34 @@ TEST_CASE("descriptors_sent_to_a_hub_are_refused") {
   CHECK(dir.files().empty());
 }
 
+// A task attached at the wire level that pushes reports of its choosing into its page, each
+// weighed by the trainer's service thread before push() returns.
+namespace {
+struct ReportingTask {
+  bb_trainer_h t = nullptr;
+  bbtest::RawAttach raw;
+  bbtest::RawViews v;
+  uint64_t cached_head = 0;
+  ReportingTask(const RuntimeDir& dir, const char* job, bb_trainer_h trainer) : t(trainer) {
+    std::string sock, err;
+    REQUIRE(bb::core::hub_paths(dir.path(), job, 0, &sock, nullptr) == BB_OK);
+    REQUIRE(bbtest::raw_attach(sock, "reporter", &raw));
+    REQUIRE_MESSAGE(bbtest::map_raw(raw, &v, &err), err);
+  }
+  void push(bb::shm::ReportType type, uint32_t epoch, uint64_t ts_ns, uint64_t a) {
+    const bb::shm::Report r{uint16_t(type), 1, epoch, ts_ns, a, 0};
+    REQUIRE(bb::shm::ring_push(v.task->reports, v.ctl->report_head, cached_head, r) ==
+            bb::shm::RingStatus::kOk);
+    const uint64_t tail = v.task->reports.tail.load();
+    REQUIRE(bbtest::eventually([&] { return v.ctl->report_head.load() == tail; }));  // drained
+    // The head moves before the report is weighed: a request through the service thread
+    // returns only after the drain that popped it is done (no task 0: BB_E_NOT_FOUND).
+    bb_grant_info_t barrier{sizeof barrier};
+    CHECK(bb_trainer_task_grant(t, 0, &barrier) == BB_E_NOT_FOUND);
+  }
+};
+}  // namespace
+
 // A report's every field is the task's: a step that claims to have begun before the clock's
 // zero (its duration longer than its end time) is dropped, not counted or logged with a
 // time that wrapped around. A plausible one beside it is counted.
@@ -244,33 +272,52 @@ TEST_CASE("a_step_report_that_began_before_time_began_is_dropped") {
   RuntimeDir dir;
   bb_trainer_h t = nullptr;
   REQUIRE(bb_trainer_open("steps", 0, nullptr, &t) == BB_OK);
-  std::string sock;
-  REQUIRE(bb::core::hub_paths(dir.path(), "steps", 0, &sock, nullptr) == BB_OK);
   {
-    bbtest::RawAttach raw;
-    REQUIRE(bbtest::raw_attach(sock, "liar", &raw));
-    std::string err;
-    bbtest::RawViews v;
-    REQUIRE_MESSAGE(bbtest::map_raw(raw, &v, &err), err);
-    const bb::shm::SlotCtl* ctl = v.ctl;
-    bb::shm::TaskPage* p = v.task;
-    uint64_t cached_head = 0;
-    auto push_step = [&](uint64_t ts_ns, uint64_t ns) {
-      const bb::shm::Report r{uint16_t(bb::shm::ReportType::kStep), 1, 0, ts_ns, ns, 0};
-      REQUIRE(bb::shm::ring_push(p->reports, ctl->report_head, cached_head, r) ==
-              bb::shm::RingStatus::kOk);
-      const uint64_t tail = p->reports.tail.load();
-      REQUIRE(bbtest::eventually([&] { return ctl->report_head.load() == tail; }));  // drained
-      // The head moves before the report is weighed: a request through the service thread
-      // returns only after the drain that popped it is done (no task 0: BB_E_NOT_FOUND).
-      bb_grant_info_t barrier{sizeof barrier};
-      CHECK(bb_trainer_task_grant(t, 0, &barrier) == BB_E_NOT_FOUND);
-    };
-    push_step(1000, 5000);  // "ended 1 us after the clock's zero, after a 5 us step"
-    CHECK(ctl->steps.load() == 0);
-    push_step(bb_now_ns(), 5000);
-    CHECK(ctl->steps.load() == 1);
-    CHECK(ctl->step_ns.load() == 5000);
+    ReportingTask liar(dir, "steps", t);
+    // "ended 1 us after the clock's zero, after a 5 us step"
+    liar.push(bb::shm::ReportType::kStep, 0, 1000, 5000);
+    CHECK(liar.v.ctl->steps.load() == 0);
+    liar.push(bb::shm::ReportType::kStep, 0, bb_now_ns(), 5000);
+    CHECK(liar.v.ctl->steps.load() == 1);
+    CHECK(liar.v.ctl->step_ns.load() == 5000);
+  }
+  bb_trainer_close(t);
+}
+
+TEST_CASE("a_tasks_reports_cannot_claim_more_step_time_than_passed_nor_starts_it_was_not_given") {
+  // A task's reports feed the hub's totals and latency figures (the agent's harvest and
+  // metrics): step time is believed only within the wall time since the attach, each report
+  // after the last, and a start or pause latency once per run epoch the trainer gave.
+  RuntimeDir dir;
+  bb_trainer_h t = nullptr;
+  REQUIRE(bb_trainer_open("claims", 0, nullptr, &t) == BB_OK);
+  {
+    const uint64_t attached = bb_now_ns();
+    ReportingTask boaster(dir, "claims", t);
+    const bb::shm::SlotCtl* ctl = boaster.v.ctl;
+    constexpr uint64_t kHour = 3'500'000'000'000ull;  // just inside the 1 h sanity bound
+    for (int k = 0; k < 20; ++k) boaster.push(bb::shm::ReportType::kStep, 0, bb_now_ns(), kHour);
+    const uint64_t claimed_by = bb_now_ns();
+    CHECK(ctl->steps.load() == 20);
+    CHECK(ctl->step_ns.load() > 0);
+    CHECK(ctl->step_ns.load() <= claimed_by - attached);  // not 20 hours
+    bb_trainer_stats_t st{sizeof st};
+    REQUIRE(bb_trainer_stats(t, &st) == BB_OK);
+    CHECK(st.task_ns_in_bubbles <= claimed_by - attached);
+
+    // Start latencies: none for epochs never given, one for the start that was.
+    for (uint32_t e = 1; e <= 50; ++e)
+      boaster.push(bb::shm::ReportType::kStarted, e, bb_now_ns(), kHour);
+    REQUIRE(bb_trainer_stats(t, &st) == BB_OK);
+    CHECK(st.start_latency_p99_ns == 0);
+    REQUIRE(bb_bubble_begin(t, 1'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+    REQUIRE(ctl->given_epoch.load() == 1);
+    boaster.push(bb::shm::ReportType::kStarted, 1, bb_now_ns(), 7000);
+    boaster.push(bb::shm::ReportType::kStarted, 1, bb_now_ns(), kHour);  // the same start again
+    REQUIRE(bb_trainer_stats(t, &st) == BB_OK);
+    CHECK(st.start_latency_p99_ns > 0);
+    CHECK(st.start_latency_p99_ns < 1'000'000);  // the one real sample, not the hour
+    REQUIRE(bb_bubble_end(t) == BB_OK);
   }
   bb_trainer_close(t);
 }
