@@ -42,7 +42,9 @@ const char kUsage[] =
     "                                   the tail of a task's output; --follow: and then what\n"
     "                                   it writes, until it has ended\n"
     "  actions [N]                      the last N enforcement actions (default 50)\n"
-    "  wait ID [--timeout SECONDS]      wait until a task ends; exit 0 if it finished\n"
+    "  wait ID [--timeout SECONDS]      wait until a task ends; exit 0 if it finished, 1 if\n"
+    "                                   it ended otherwise, 3 at the timeout, 4 if the agent\n"
+    "                                   cannot be reached (for 30 s once it was)\n"
     "  trace [--seconds S] [-o FILE]    hubs' events as Chrome trace JSON (Perfetto)\n"
     "  timeline [--seconds S] [-o FILE] the last seconds as an SVG, one lane per hub\n"
     "SIZE: bytes, or with K, M, G, T (powers of 1024), e.g. 512M\n"
@@ -56,6 +58,36 @@ const char kUsage[] =
 [[noreturn]] void usage_error(const std::string& msg) {
   fprintf(stderr, "bubblectl: %s\n%s", msg.c_str(), kUsage);
   exit(2);
+}
+
+// The agent could not be reached, or went away mid-request. `wait` tries again (an agent being
+// restarted is gone for a moment); every other command exits with the message.
+struct AgentUnreachable {
+  std::string message;
+};
+bool g_unreachable_throws = false;
+
+[[noreturn]] void unreachable(const std::string& msg) {
+  if (g_unreachable_throws) throw AgentUnreachable{msg};
+  die(msg);
+}
+
+// A number of seconds: finite and at least 0 (strtod's "1e999", "nan" and "5s" are refused).
+bool parse_seconds(const std::string& s, double hi, double* out) {
+  if (s.empty()) return false;
+  char* end = nullptr;
+  errno = 0;
+  const double v = strtod(s.c_str(), &end);
+  if (errno || *end || !(v >= 0) || v > hi) return false;
+  *out = v;
+  return true;
+}
+
+// An option's value: the next argument, or a usage error naming the option and what it takes.
+const std::string& option_value(const std::vector<std::string>& args, size_t* i,
+                                const char* what) {
+  if (*i + 1 >= args.size()) usage_error(args[*i] + " needs a value: " + what);
+  return args[++*i];
 }
 
 bool parse_size(const std::string& s, uint64_t* out) {
@@ -135,7 +167,9 @@ class Client {
     if (connect(fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
       int e = errno;
       if (e == ENOENT || e == ECONNREFUSED) {
-        die("no agent at " + path + ": start it with `bubbled` (or pass --socket PATH)");
+        close(fd_);
+        fd_ = -1;
+        unreachable("no agent at " + path + ": start it with `bubbled` (or pass --socket PATH)");
       }
       if (e == EACCES || e == EPERM) {
         die("permission denied on " + path +
@@ -150,13 +184,21 @@ class Client {
     auto h = req.initHello();
     h.setProtocolVersion(proto::PROTOCOL_VERSION);
     h.setClient("bubblectl");
-    auto resp = call(msg);
+    std::unique_ptr<capnp::MessageReader> resp;
+    try {
+      resp = call(msg);
+    } catch (const AgentUnreachable&) {  // no destructor runs for a constructor that throws
+      close(fd_);
+      throw;
+    }
     auto hello = resp->getRoot<proto::Response>().getHello();
     metrics_port_ = hello.getMetricsPort();
     agent_pid_ = hello.getPid();
     version_ = str(hello.getAgentVersion());
   }
-  ~Client() { close(fd_); }
+  ~Client() {
+    if (fd_ >= 0) close(fd_);
+  }
 
   // Sends a request and returns the reply; exits with the agent's message on an Error reply.
   std::unique_ptr<capnp::MessageReader> call(capnp::MallocMessageBuilder& msg) {
@@ -171,9 +213,9 @@ class Client {
     std::string write_err = err;
     std::unique_ptr<capnp::MessageReader> reader;
     if (!read_frame_fd(fd_, &frames_, &reader, &err)) {
-      if (!sent) die(write_err + " (agent at " + path_ + ")");
+      if (!sent) unreachable(write_err + " (agent at " + path_ + ")");
       if (errno == EAGAIN) die("the agent at " + path_ + " did not answer within 60 s");
-      die(err + " (agent at " + path_ + ")");
+      unreachable(err + " (agent at " + path_ + ")");
     }
     try {
       auto resp = reader->getRoot<proto::Response>();
@@ -455,7 +497,7 @@ int cmd_drain(Client& c, const std::vector<std::string>& args, bool undo) {
   auto d = msg.initRoot<proto::Request>().initDrain();
   d.setUndo(undo);
   for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--hub" && i + 1 < args.size()) d.setHub(args[++i]);
+    if (args[i] == "--hub") d.setHub(option_value(args, &i, "the hub, as JOB:RANK"));
     else usage_error("unknown drain option " + args[i]);
   }
   auto r = c.call(msg);
@@ -472,9 +514,10 @@ int cmd_logs(Client& c, const std::vector<std::string>& args) {
     long long n;
     if (args[i] == "--stderr") err_stream = true;
     else if (args[i] == "--follow" || args[i] == "-f") follow = true;
-    else if (args[i] == "--bytes" && i + 1 < args.size() && parse_int(args[i + 1], 1, 1 << 23, &n)) {
+    else if (args[i] == "--bytes") {
+      const std::string& v = option_value(args, &i, "a byte count, 1..8388608");
+      if (!parse_int(v, 1, 1 << 23, &n)) usage_error("--bytes " + v + " must be 1..8388608");
       max_bytes = static_cast<uint32_t>(n);
-      ++i;
     } else {
       usage_error("unknown logs option " + args[i]);
     }
@@ -542,14 +585,29 @@ int cmd_wait(const std::string& socket, const std::vector<std::string>& args) {
   uint64_t id = parse_id(args[0]);
   double timeout = -1;
   for (size_t i = 1; i < args.size(); ++i) {
-    if (args[i] == "--timeout" && i + 1 < args.size()) timeout = atof(args[++i].c_str());
-    else usage_error("unknown wait option " + args[i]);
+    if (args[i] == "--timeout") {
+      const std::string& v = option_value(args, &i, "seconds, 0 or more");
+      if (!parse_seconds(v, 1e9, &timeout))
+        usage_error("--timeout " + v + " is not a number of seconds (0 or more, e.g. 90 or 1.5)");
+    } else {
+      usage_error("unknown wait option " + args[i]);
+    }
   }
-  struct timespec t0;
+  auto elapsed = [](const timespec& from) {
+    timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    return static_cast<double>(now.tv_sec - from.tv_sec) + (now.tv_nsec - from.tv_nsec) / 1e9;
+  };
+  struct timespec t0, lost_at{};
   clock_gettime(CLOCK_MONOTONIC, &t0);
   unsigned delay_us = 100000;
+  bool looked = false, lost = false;
+  // The agent being restarted (an upgrade) is not the task failing: once it was reached, `wait`
+  // tries again for this long before it gives up with exit code 4.
+  constexpr double kAgentGoneS = 30;
+  g_unreachable_throws = true;
   for (;;) {
-    {
+    try {
       Client c(socket);
       capnp::MallocMessageBuilder msg;
       msg.initRoot<proto::Request>().initList().setAll(true);
@@ -565,11 +623,21 @@ int cmd_wait(const std::string& socket, const std::vector<std::string>& args) {
         }
       }
       if (!found) die("no task #" + std::to_string(id) + ": see `bubblectl list --all`");
+      looked = true;
+      lost = false;
+    } catch (const AgentUnreachable& e) {
+      if (!looked) die(e.message, 4);
+      if (!lost) {
+        lost = true;
+        clock_gettime(CLOCK_MONOTONIC, &lost_at);
+        fprintf(stderr, "bubblectl: lost the agent (%s); trying again for %.0f s\n",
+                e.message.c_str(), kAgentGoneS);
+      } else if (elapsed(lost_at) > kAgentGoneS) {
+        die(e.message + "; no agent came back within 30 s", 4);
+      }
     }
-    struct timespec now;
-    clock_gettime(CLOCK_MONOTONIC, &now);
-    double el = static_cast<double>(now.tv_sec - t0.tv_sec) + (now.tv_nsec - t0.tv_nsec) / 1e9;
-    if (timeout >= 0 && el > timeout) die("task #" + std::to_string(id) + " still runs after the timeout", 3);
+    if (timeout >= 0 && elapsed(t0) > timeout)
+      die("task #" + std::to_string(id) + " still runs after the timeout", 3);
     // Each look is a full list on the agent's loop: back off from 0.1 s to 0.5 s between them.
     usleep(delay_us);
     delay_us = std::min(2 * delay_us, 500000u);
@@ -580,11 +648,12 @@ int cmd_events(Client& c, const std::vector<std::string>& args, bool svg) {
   double seconds = svg ? 5 : 10;
   std::string out;
   for (size_t i = 0; i < args.size(); ++i) {
-    if (args[i] == "--seconds" && i + 1 < args.size()) {
-      seconds = atof(args[++i].c_str());
-      if (!(seconds > 0) || seconds > 86400) usage_error("--seconds must be in (0, 86400]");
-    } else if (args[i] == "-o" && i + 1 < args.size()) {
-      out = args[++i];
+    if (args[i] == "--seconds") {
+      const std::string& v = option_value(args, &i, "seconds, in (0, 86400]");
+      if (!parse_seconds(v, 86400, &seconds) || seconds == 0)
+        usage_error("--seconds " + v + " must be a number of seconds in (0, 86400]");
+    } else if (args[i] == "-o") {
+      out = option_value(args, &i, "the file to write");
     } else {
       usage_error("unknown option " + args[i]);
     }

@@ -1,11 +1,12 @@
 """Nothing is lost: an agent killed with SIGKILL and restarted keeps every submission and every
 result, re-adopts tasks still alive (by pid and start time), and never adopts a reused pid."""
 import os
+import select
 import signal
 import sqlite3
 import subprocess
 
-from conftest import BUBBLED, TASK_GOOD, wait_until
+from conftest import BUBBLECTL, BUBBLED, TASK_GOOD, wait_until
 
 
 def gone(pid):
@@ -314,3 +315,63 @@ def test_a_task_drained_while_the_agent_was_down_is_placed_again(env):
                    lambda: (t := env.task(tid))["state"] not in ("queued", "running", "stopping")
                    or (t["state"] == "running" and t["hub"] == "k:0") and t)
     assert t["state"] == "running" and t["hub"] == "k:0" and t["attempts"] == 2, t
+
+
+def _sleeping_between_looks(pid):
+    """True while `bubblectl wait` sleeps between two looks (so it has made one): blocked in
+    clock_nanosleep, which /proc/PID/syscall shows by number."""
+    number = {"x86_64": "230", "aarch64": "115"}.get(os.uname().machine)
+    assert number, "add this machine's clock_nanosleep number"
+    try:
+        with open(f"/proc/{pid}/syscall") as f:
+            return f.read().split()[0] == number
+    except (OSError, IndexError):
+        return False
+
+
+def test_wait_goes_on_through_a_restart_of_the_agent(env, tmp_path):
+    """An agent being restarted (an upgrade) is not the task failing: `wait` tries again and
+    reports how the task ends (exit 0: finished), not that the agent was gone (exit 4)."""
+    env.trainer("j", 0)
+    env.start_agent()
+    gate = tmp_path / "gate"
+    tid = env.submit("/bin/sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.02; done")
+    env.wait_state(tid, "running")
+    waiter = subprocess.Popen([BUBBLECTL, "--socket", env.socket, "wait", str(tid)],
+                              env=env.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        wait_until("the waiter between looks", lambda: _sleeping_between_looks(waiter.pid))
+        env.kill_agent(signal.SIGTERM)
+        # It says so on stderr, and goes on (the agent is started again only after that).
+        wait_until("the waiter to see the agent gone",
+                   lambda: waiter.poll() is not None
+                   or select.select([waiter.stderr], [], [], 0)[0])
+        lost = waiter.stderr.readline()
+        assert "lost the agent" in lost and "trying again" in lost, (lost, waiter.poll())
+        env.start_agent()
+        gate.touch()
+        out, err = waiter.communicate(timeout=60)
+        assert waiter.returncode == 0, (waiter.returncode, out, err)
+        assert out.startswith("finished"), out
+    finally:
+        if waiter.poll() is None:
+            waiter.kill()
+            waiter.wait()
+
+
+def test_wait_says_what_is_wrong_with_its_options_and_when_no_agent_answers(env):
+    r = env.ctl("wait", "1", "--timeout", "abc", check=False)
+    assert r.returncode == 2 and "--timeout abc is not a number of seconds" in r.stderr, r.stderr
+    r = env.ctl("wait", "1", "--timeout", check=False)
+    assert r.returncode == 2 and "--timeout needs a value" in r.stderr, r.stderr
+    # No agent ever answered: no retrying, exit 4 with the reason.
+    r = env.ctl("wait", "1", check=False)
+    assert r.returncode == 4 and "no agent at" in r.stderr, r.stderr
+    env.start_agent()
+    r = env.ctl("logs", "1", "--bytes", "0", check=False)
+    assert r.returncode == 2 and "--bytes 0 must be 1..8388608" in r.stderr, r.stderr
+    r = env.ctl("drain", "--hub", check=False)
+    assert r.returncode == 2 and "--hub needs a value" in r.stderr, r.stderr
+    r = env.ctl("trace", "--seconds", "5s", check=False)
+    assert r.returncode == 2 and "--seconds 5s must be a number of seconds" in r.stderr, r.stderr
