@@ -63,6 +63,7 @@ std::string Agent::start(uv_loop_t* loop) {
   prune_timer_ = new_timer(loop_, this);
   log_timer_ = new_timer(loop_, this);
   relaunch_timer_ = new_timer(loop_, this);
+  save_timer_ = new_timer(loop_, this);
   // An agent that went on with part of its records would launch none of the rest, and delete
   // their logs as orphans.
   e = readopt_tasks();
@@ -102,7 +103,9 @@ void Agent::shutdown() {
     close_and_delete(dir_watch_);
     dir_watch_ = nullptr;
   }
-  for (uv_timer_t** t : {&tick_, &retry_timer_, &prune_timer_, &log_timer_, &relaunch_timer_}) {
+  if (!unsaved_.empty()) save_unsaved();  // a last try: what is still owed is logged
+  for (uv_timer_t** t : {&tick_, &retry_timer_, &prune_timer_, &log_timer_, &relaunch_timer_,
+                         &save_timer_}) {
     if (*t) {
       uv_timer_stop(*t);
       close_and_delete(*t);

@@ -195,7 +195,10 @@ class Agent {
   void continue_stopped(TaskRow* row, const std::string& hub, const std::string& why);
   void record(const TaskRow* row, pid_t pid, const std::string& hub, const std::string& action,
               const std::string& detail);
-  void save(const TaskRow& row);
+  // Writes the row; a failed write (disk full, the database locked) is logged and tried again
+  // every second until it succeeds. False when this write failed.
+  bool save(const TaskRow& row);
+  void save_unsaved();
   void finish_row(TaskRow* row, const std::string& state, const std::string& message);
   // Deletes the oldest ended tasks beyond cfg_.keep_ended (records, actions, logs). Runs from its
   // own timer, never inside a walk over tasks_.
@@ -268,6 +271,8 @@ class Agent {
   uv_timer_t* prune_timer_ = nullptr;
   uv_timer_t* log_timer_ = nullptr;
   uv_timer_t* relaunch_timer_ = nullptr;  // placement again after a passing launch failure
+  uv_timer_t* save_timer_ = nullptr;      // rows whose save failed, tried again
+  std::set<int64_t> unsaved_;             // ids of rows the database is behind on
   uint32_t actions_since_trim_ = 0;
   // Process groups of launched tasks that ended less than a minute ago and whose rows were
   // deleted: adoptable() must still know them (pgid -> ended_at, Unix ms).

@@ -492,8 +492,10 @@ void Agent::reconcile_tasks(Hub* hub) {
         row.submitted_at = row.started_at = wall_ms();
         row.attempts = 1;
         row.message = "attached to the hub by itself";
-        if (!store_.insert_task(&row)) {
-          agent_log("cannot record attached task: %s", store_.last_error().c_str());
+        if (!store_.insert_task(&row)) {  // without an id it cannot be kept: next snapshot
+          agent_log("cannot record attached task %s (pid %d): %s; trying again", t.name.c_str(),
+                    t.pid, store_.last_error().c_str());
+          continue;
         }
         rid = row.id;
         tasks_[rid] = row;

@@ -41,12 +41,15 @@ struct TaskCallbacks {
   static void on_prune_timer(uv_timer_t* t) { static_cast<Agent*>(t->data)->prune_history(); }
   static void on_log_timer(uv_timer_t* t) { static_cast<Agent*>(t->data)->bound_logs(); }
   static void on_relaunch_timer(uv_timer_t* t) { static_cast<Agent*>(t->data)->schedule(); }
+  static void on_save_timer(uv_timer_t* t) { static_cast<Agent*>(t->data)->save_unsaved(); }
 };
 
 // How often the logs of live tasks are checked against --log-max-bytes.
 constexpr uint64_t kLogBoundIntervalMs = 1000;
 // How soon a task whose launch failed for a passing reason (descriptors short) is placed again.
 constexpr uint64_t kRelaunchDelayMs = 1000;
+// How soon the rows whose save failed are written again.
+constexpr uint64_t kSaveRetryMs = 1000;
 
 LiveTask* Agent::live(int64_t id) {
   auto it = live_.find(id);
@@ -70,11 +73,35 @@ void Agent::release_live(int64_t id) {
   live_.erase(it);
 }
 
-void Agent::save(const TaskRow& row) {
-  if (!store_.update_task(row)) {
-    agent_log("cannot save task #%lld: %s", static_cast<long long>(row.id),
-              store_.last_error().c_str());
+bool Agent::save(const TaskRow& row) {
+  if (store_.update_task(row)) {
+    unsaved_.erase(row.id);
+    return true;
   }
+  agent_log("cannot save task #%lld: %s (trying again every second)",
+            static_cast<long long>(row.id), store_.last_error().c_str());
+  unsaved_.insert(row.id);
+  if (save_timer_ && !closing_ && !uv_is_active(reinterpret_cast<uv_handle_t*>(save_timer_)))
+    uv_timer_start(save_timer_, TaskCallbacks::on_save_timer, kSaveRetryMs, 0);
+  return false;
+}
+
+void Agent::save_unsaved() {
+  const std::set<int64_t> ids = std::move(unsaved_);
+  unsaved_.clear();
+  size_t saved = 0;
+  for (int64_t id : ids) {
+    auto it = tasks_.find(id);
+    if (it == tasks_.end()) continue;  // deleted meanwhile
+    if (!store_.update_task(it->second)) {
+      unsaved_.insert(ids.begin(), ids.end());  // all still owed; one try a second
+      if (save_timer_ && !closing_)
+        uv_timer_start(save_timer_, TaskCallbacks::on_save_timer, kSaveRetryMs, 0);
+      return;
+    }
+    ++saved;
+  }
+  if (saved) agent_log("saved %zu task records a failed write had left behind", saved);
 }
 
 void Agent::record(const TaskRow* row, pid_t pid, const std::string& hub,
@@ -492,8 +519,8 @@ void Agent::on_task_exit(LiveTask* lt, ExitStatus st) {
   }
   // Only once the row that records the status is saved: an agent killed before that finds the
   // file when it comes back, instead of calling the task lost. (Before schedule(), which may
-  // launch a re-placed task under the same id.)
-  unlink(exit_file.c_str());
+  // launch a re-placed task under the same id, and which removes a file left by a failed save.)
+  if (!unsaved_.count(row.id)) unlink(exit_file.c_str());
   schedule();
   update_timers();
 }

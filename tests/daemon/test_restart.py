@@ -375,3 +375,39 @@ def test_wait_says_what_is_wrong_with_its_options_and_when_no_agent_answers(env)
     assert r.returncode == 2 and "--hub needs a value" in r.stderr, r.stderr
     r = env.ctl("trace", "--seconds", "5s", check=False)
     assert r.returncode == 2 and "--seconds 5s must be a number of seconds" in r.stderr, r.stderr
+
+
+def test_a_record_the_agent_could_not_write_is_written_later_and_its_status_is_kept(env, tmp_path):
+    """The database refuses a write (another process holds its write lock past the agent's 2 s
+    wait; a full disk does the same): the task's end is not lost. The row is written once the
+    database takes writes again, and the exit status file stays until it is."""
+    env.trainer("j", 0)
+    env.start_agent()
+    gate = tmp_path / "gate"
+    tid = env.submit("/bin/sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.02; done; exit 3")
+    env.wait_state(tid, "running")
+    path = os.path.join(env.state, "bubbled.db")
+
+    def stored_state():
+        db = sqlite3.connect(path, timeout=30)
+        try:
+            return db.execute("SELECT state FROM tasks WHERE id = ?", (tid,)).fetchone()[0]
+        finally:
+            db.close()
+
+    lock = sqlite3.connect(path, isolation_level=None, timeout=30)
+    try:
+        lock.execute("BEGIN IMMEDIATE")  # the write lock: the agent's writes fail after 2 s
+        gate.touch()
+        wait_until("the failed save logged", lambda: f"cannot save task #{tid}" in env.log_tail(),
+                   timeout=60)
+        assert stored_state() == "running"  # the database is behind
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+    wait_until("the row written", lambda: stored_state() == "failed", timeout=60)
+    # What the agent wrote is what a restarted agent knows.
+    env.kill_agent(signal.SIGKILL)
+    env.start_agent()
+    t = env.task(tid)
+    assert t["state"] == "failed" and t["exit_code"] == 3, t
