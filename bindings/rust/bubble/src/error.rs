@@ -22,12 +22,19 @@ pub enum Status {
     State,
     Unsupported,
     Callback,
-    /// A code newer than this crate.
-    Other(i32),
+    /// A code newer than this crate (`raw()` gives its number). Only `from_raw` makes one, and
+    /// only for a number no variant above names, so equal statuses always compare equal.
+    Other(UnknownStatus),
 }
 
+/// The number of a status newer than this crate. It cannot be built outside the crate: a code
+/// a later version names gets its own variant, never `Other`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct UnknownStatus(i32);
+
 impl Status {
-    pub(crate) fn from_raw(code: sys::bb_status) -> Status {
+    /// The status of a C value (`bb_status`); an unknown one is `Other`.
+    pub fn from_raw(code: sys::bb_status) -> Status {
         match code {
             sys::BB_E_INVALID => Status::Invalid,
             sys::BB_E_NOMEM => Status::NoMemory,
@@ -44,7 +51,7 @@ impl Status {
             sys::BB_E_STATE => Status::State,
             sys::BB_E_UNSUPPORTED => Status::Unsupported,
             sys::BB_E_CALLBACK => Status::Callback,
-            other => Status::Other(other),
+            other => Status::Other(UnknownStatus(other)),
         }
     }
 
@@ -66,7 +73,7 @@ impl Status {
             Status::State => sys::BB_E_STATE,
             Status::Unsupported => sys::BB_E_UNSUPPORTED,
             Status::Callback => sys::BB_E_CALLBACK,
-            Status::Other(code) => code,
+            Status::Other(UnknownStatus(code)) => code,
         }
     }
 

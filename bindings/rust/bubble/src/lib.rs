@@ -24,7 +24,7 @@ mod grant;
 mod task;
 mod trainer;
 
-pub use error::{Error, Result, Status};
+pub use error::{Error, Result, Status, UnknownStatus};
 pub use grant::{Grant, GrantBackend, GrantInfo, GrantRegion, GrantState, GrantStats, LendOptions};
 pub use task::{
     OnTrainerExit, Outcome, SideTask, StartInfo, Step, StepInfo, Task, TaskOptions, TaskResult,

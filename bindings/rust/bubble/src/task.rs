@@ -49,6 +49,8 @@ pub struct StepInfo<'a> {
     /// steps: take it from every step's info, never keep it.
     pub grant: Option<GrantRegion>,
     pub(crate) memory: Option<StepMemory<'a>>,
+    /// The running task, for should_pause (the one call a step may make on it).
+    pub(crate) handle: sys::bb_task_h,
 }
 
 impl StepInfo<'_> {
@@ -56,6 +58,14 @@ impl StepInfo<'_> {
     /// Panics if the memory is already borrowed in this step (as `RefCell` does).
     pub fn grant_memory(&self) -> Option<RefMut<'_, [u8]>> {
         self.memory.as_ref().map(StepMemory::borrow_mut)
+    }
+
+    /// True once the bubble ended, the task was told to stop, or its grant is being revoked:
+    /// a long step can ask it between pieces of work and return early (one shared-memory load).
+    pub fn should_pause(&self) -> bool {
+        // SAFETY: the handle is the running task's, valid for the step this info belongs to;
+        // bb_task_should_pause is allowed inside bb_task_run's callbacks.
+        unsafe { sys::bb_task_should_pause(self.handle) != 0 }
     }
 }
 
@@ -418,6 +428,7 @@ impl<T: SideTask> Bridge<'_, T> {
             free_mem: known(i.free_mem),
             grant,
             memory,
+            handle: (*(user as *mut Self)).handle,
         };
         Self::guarded(user, |t| {
             t.step(&info).map(|s| match s {

@@ -266,6 +266,43 @@ fn step_done_finishes_the_run() {
 }
 
 #[test]
+fn a_long_step_sees_its_bubble_end_through_its_info_and_returns_early() {
+    struct Long {
+        started: Arc<AtomicBool>,
+        saw_pause: Arc<AtomicBool>,
+    }
+    impl SideTask for Long {
+        fn step(&mut self, info: &StepInfo<'_>) -> TaskResult<Step> {
+            self.started.store(true, Ordering::SeqCst);
+            // Pieces of work until the bubble ends (a cap keeps a broken runtime from hanging).
+            let cap = Instant::now() + Duration::from_secs(30);
+            while !info.should_pause() && Instant::now() < cap {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            self.saw_pause.store(info.should_pause(), Ordering::SeqCst);
+            Ok(Step::Done)
+        }
+    }
+    let env = Env::new();
+    let mut trainer = env.trainer();
+    let started = Arc::new(AtomicBool::new(false));
+    let saw_pause = Arc::new(AtomicBool::new(false));
+    let (opts, job) = (env.task_options(), env.job.clone());
+    let (s2, p2) = (started.clone(), saw_pause.clone());
+    let runner = std::thread::spawn(move || {
+        let mut task = Task::attach(&job, 0, "long-step", &opts).unwrap();
+        task.run(&mut Long { started: s2, saw_pause: p2 })
+    });
+    assert!(eventually(|| trainer.tasks().unwrap().len() == 1));
+    trainer.begin(Duration::from_secs(10), BubbleKind::Other, None).unwrap();
+    assert!(eventually(|| started.load(Ordering::SeqCst)));
+    assert!(!saw_pause.load(Ordering::SeqCst));
+    trainer.end().unwrap();
+    assert_eq!(runner.join().unwrap().unwrap(), Outcome::Finished);
+    assert!(saw_pause.load(Ordering::SeqCst));
+}
+
+#[test]
 fn idle_runs_while_the_task_waits_and_done_finishes_the_run() {
     struct Idler {
         idles: u32,
@@ -614,4 +651,19 @@ fn unlend_gives_the_memory_back_and_lend_may_lend_again() {
     trainer.lend(&LendOptions { bytes: 2 << 20, ..Default::default() }).unwrap();
     let s = trainer.grant_stats().unwrap();
     assert_eq!((s.backend, s.capacity), (Some(GrantBackend::Host), 2 << 20));
+}
+
+#[test]
+fn every_status_code_has_its_variant_and_an_unknown_one_keeps_its_number() {
+    for code in -15..=-1 {
+        let s = Status::from_raw(code);
+        assert_eq!(s.raw(), code);
+        assert!(!matches!(s, Status::Other(_)), "{code} has no variant");
+        assert!(s.name().starts_with("BB_E_") && s.name() != "BB_E_UNKNOWN", "{code}");
+    }
+    assert_eq!(Status::from_raw(-13), Status::State);
+    let newer = Status::from_raw(-99);
+    assert!(matches!(newer, Status::Other(_)));
+    assert_eq!((newer.raw(), newer.name()), (-99, "BB_E_UNKNOWN"));
+    assert_eq!(newer, Status::from_raw(-99));
 }
