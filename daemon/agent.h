@@ -159,7 +159,7 @@ class Agent {
   // is served, so the first request already sees them).
   void open_hubs_now(const std::vector<core::HubName>& hubs);
   void open_done(HubOpen* o);
-  void open_failed(const std::string& name, const std::string& error);
+  void open_failed(const std::string& name, const std::string& error, bb_status st);
   void install_hub(const std::string& job, uint32_t rank, std::unique_ptr<core::HubObserver> obs);
   void arm_open_retry();
   void refresh_hub(Hub* hub, uint64_t now);
@@ -258,6 +258,7 @@ class Agent {
   struct OpenRetry {
     int round = 0;
     uint64_t due_ms = 0;
+    bool hung = false;  // said once: its trainer listens but does not answer; tried slowly
   };
   std::map<std::string, OpenRetry> retry_hubs_;
   std::vector<int64_t> pending_dead_;

@@ -40,6 +40,9 @@ constexpr size_t kMaxGoneHubs = 16;
 constexpr uint32_t kTrainerAnswerMs = 1000;
 constexpr int kMaxOpenRetries = 6;
 const uint64_t kRetryDelaysMs[kMaxOpenRetries] = {10, 30, 100, 300, 1000, 3000};
+// Past those, a socket something listens on but does not answer through (a trainer stopped in
+// a debugger, a suspended job) is tried this often for as long as it is there.
+constexpr uint64_t kHungRetryMs = 10'000;
 // Opens at start run this many at a time, each on a thread of its own.
 constexpr size_t kStartOpenThreads = 16;
 }  // namespace
@@ -204,7 +207,7 @@ void Agent::try_open_hub(const std::string& job, uint32_t rank) {
   const int rc = uv_queue_work(loop_, &o->req, HubCallbacks::on_open_work,
                                HubCallbacks::on_open_done);
   if (rc < 0) {
-    open_failed(name, std::string("cannot queue the open: ") + uv_strerror(rc));
+    open_failed(name, std::string("cannot queue the open: ") + uv_strerror(rc), BB_E_SYSTEM);
     return;
   }
   opening_[name] = o.release();  // on_open_done frees it
@@ -220,7 +223,7 @@ void Agent::open_done(HubOpen* o) {
       arm_open_retry();
       return;
     }
-    open_failed(o->name, o->error);
+    open_failed(o->name, o->error, o->st);
     return;
   }
   install_hub(o->job, o->rank, std::move(o->obs));
@@ -232,7 +235,7 @@ void Agent::cancel_opens() {
   for (auto& [name, o] : opening_) uv_cancel(reinterpret_cast<uv_req_t*>(&o->req));
 }
 
-void Agent::open_failed(const std::string& name, const std::string& error) {
+void Agent::open_failed(const std::string& name, const std::string& error, bb_status st) {
   // The socket may exist a moment before its trainer listens, or be left by a dead trainer
   // (which the next trainer of that name replaces), or its trainer may be stopped: try again a
   // few times, then wait for the directory to change again.
@@ -252,6 +255,18 @@ void Agent::open_failed(const std::string& name, const std::string& error) {
   OpenRetry& r = retry_hubs_[name];
   if (r.round < kMaxOpenRetries) {
     r.due_ms = uv_now(loop_) + kRetryDelaysMs[r.round++];
+    arm_open_retry();
+    return;
+  }
+  if (st == BB_E_TIMEOUT) {
+    // Its trainer accepts or holds the connection but does not answer: stopped or hung, not
+    // gone. It may go on, so it keeps being tried, slowly, and its tasks keep their rows.
+    if (!r.hung)
+      agent_log("hub %s: its trainer does not answer (%s); stopped or hung? tried again every "
+                "%llu s", name.c_str(), error.c_str(),
+                static_cast<unsigned long long>(kHungRetryMs / 1000));
+    r.hung = true;
+    r.due_ms = uv_now(loop_) + kHungRetryMs;
     arm_open_retry();
     return;
   }

@@ -411,3 +411,30 @@ def test_a_record_the_agent_could_not_write_is_written_later_and_its_status_is_k
     env.start_agent()
     t = env.task(tid)
     assert t["state"] == "failed" and t["exit_code"] == 3, t
+
+
+def test_a_hub_whose_trainer_is_stopped_is_observed_once_it_goes_on(env):
+    """A trainer stopped (a debugger, a suspended job) while the agent starts holds the
+    connection without answering. That is not a dead trainer's socket: the agent keeps trying
+    it, slowly, keeps the rows of the tasks attached to it, and observes the hub once the
+    trainer goes on, with those tasks under the ids they had."""
+    trainer = env.trainer("j", 0)
+    env.start_agent()
+    ext = env.spawn([TASK_GOOD, "0"], "external.log",
+                    env=dict(env.env, BUBBLE_JOB="j", BUBBLE_RANK="0", BUBBLE_TASK_NAME="outsider"))
+    tid = wait_until("the external task to be adopted",
+                     lambda: [t for t in env.tasks().values() if t["name"] == "outsider"])[0]["id"]
+    env.kill_agent(signal.SIGKILL)
+    os.kill(trainer.pid, signal.SIGSTOP)
+    try:
+        env.start_agent()
+        # Past the quick tries (about 4.5 s): said once, and the task's row kept.
+        wait_until("the quick tries over", lambda: "stopped or hung?" in env.log_tail()
+                   or "no trainer answers" in env.log_tail(), timeout=60)
+        assert env.task(tid)["state"] == "running", env.task(tid)
+    finally:
+        os.kill(trainer.pid, signal.SIGCONT)
+    wait_until("the hub observed again", lambda: (env.hub("j:0") or {}).get("alive"), timeout=60)
+    t = env.task(tid)
+    assert t["state"] == "running" and t["pid"] == ext.pid, t
+    assert [x["id"] for x in env.tasks().values() if x["name"] == "outsider"] == [tid]
