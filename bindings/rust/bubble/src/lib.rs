@@ -18,6 +18,44 @@
 //! task.run(&mut Count(0))?;
 //! # Ok::<(), bubble::Error>(())
 //! ```
+//!
+//! ## What the compiler refuses
+//!
+//! The memory of a grant is reachable only while no call that may unmap it can be made. Each
+//! example below fails to compile, and CI checks that it does.
+//!
+//! A [`Grant`] borrows its task: `ack_revoke` (like `ack_pause`, `wait_start` or dropping the
+//! task) cannot run while the grant's slice is still used.
+//! ```compile_fail
+//! use bubble::{Task, TaskOptions};
+//! let mut task = Task::attach("job", 0, "t", &TaskOptions::default())?;
+//! if let Some(mut g) = task.grant()? {
+//!     task.ack_revoke()?;
+//!     g.as_mut_slice();
+//! }
+//! # Ok::<(), bubble::Error>(())
+//! ```
+//! A step's memory cannot be kept past the step.
+//! ```compile_fail
+//! use bubble::{SideTask, Step, StepInfo, TaskResult};
+//! use std::cell::RefMut;
+//! struct Keep<'m>(Option<RefMut<'m, [u8]>>);
+//! impl<'m> SideTask for Keep<'m> {
+//!     fn step(&mut self, info: &StepInfo) -> TaskResult<Step> {
+//!         self.0 = info.grant_memory();
+//!         Ok(Step::Continue)
+//!     }
+//! }
+//! ```
+//! A task is used by one thread at a time: it may move to another thread, not be shared.
+//! ```compile_fail
+//! fn shared<T: Sync>() {}
+//! shared::<bubble::Task>();
+//! ```
+//! ```
+//! fn moved<T: Send>() {}
+//! moved::<bubble::Task>();
+//! ```
 
 mod error;
 mod grant;
