@@ -232,10 +232,14 @@ class Agent {
   std::set<void*> http_conns_;  // open metrics connections (metrics.cc)
   uv_loop_t* loop_ = nullptr;
   std::set<void*> clients_;  // open control connections (control.cc)
-  // Connections with complete requests left for a later loop turn: one client's pipelined
-  // requests are answered a batch per turn, between everything else the loop does (control.cc).
-  std::set<void*> backlog_;
+  // Connections with complete requests left for a later loop turn, in the order they were
+  // left: one client's pipelined requests are answered a batch per turn, and all clients
+  // together a bounded number per turn, between everything else the loop does (control.cc).
+  std::deque<void*> backlog_;
   uv_idle_t* backlog_idle_ = nullptr;
+  uv_check_t* turn_check_ = nullptr;  // ends a loop turn's request budget
+  size_t frames_this_turn_ = 0;       // requests answered since the last poll for I/O
+  size_t frames_most_per_turn_ = 0;   // the most of them one turn answered (metrics)
 
  private:
   AgentConfig cfg_;

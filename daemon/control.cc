@@ -54,8 +54,11 @@ constexpr size_t kMaxEnv = 256;
 constexpr size_t kMaxEntryBytes = 4 << 10;
 constexpr size_t kMaxSpecBytes = 64 << 10;
 constexpr size_t kMaxMpsLimitBytes = 256;  // "2G" or "0=2G,1=4G,...": a few per device
-// Requests of one connection answered per loop turn (see serve_a_turn).
+// Requests of one connection answered per loop turn, and of all connections together (see
+// serve_a_turn): a turn's requests stay a bounded amount of work for the loop's timers
+// (enforcement above all) to wait on, however many clients pipeline at once.
 constexpr size_t kFramesPerTurn = 16;
+constexpr size_t kFramesPerLoopTurn = 64;
 
 struct Conn {
   uv_pipe_t pipe;
@@ -86,7 +89,7 @@ void close_conn(Conn* c) {
   if (c->closing) return;
   c->closing = true;
   c->agent->clients_.erase(c);
-  c->agent->backlog_.erase(c);
+  std::erase(c->agent->backlog_, c);
   if (c->sink) return;  // owned by its ControlFeed
   if (c->timer) {
     uv_timer_stop(c->timer);
@@ -161,7 +164,7 @@ void send(Conn* c, capnp::MessageBuilder& msg, bool close_after) {
   if (close_after) {
     uv_read_stop(reinterpret_cast<uv_stream_t*>(&c->pipe));
     c->close_pending = true;
-    c->agent->backlog_.erase(c);
+    std::erase(c->agent->backlog_, c);
   }
   int rc = uv_write(&w->req, reinterpret_cast<uv_stream_t*>(&c->pipe), &buf, 1,
                     [](uv_write_t* req, int) {
@@ -662,14 +665,18 @@ void alloc_read(uv_handle_t*, size_t suggested, uv_buf_t* buf) {
 // due: one client's pipelined requests (each may scan every task and hub) never hold the loop
 // for their whole run. True when c stays open and has nothing left over.
 bool serve_a_turn(Conn* c) {
+  Agent* a = c->agent;
   const uint64_t served = c->frames_served;
   bool more = false;
-  if (!process_frames(c, kFramesPerTurn, &more)) return false;
+  const size_t left = kFramesPerLoopTurn - std::min(kFramesPerLoopTurn, a->frames_this_turn_);
+  if (!process_frames(c, std::min(kFramesPerTurn, left), &more)) return false;
+  a->frames_this_turn_ += c->frames_served - served;
   track_owed(c, c->frames_served != served);
-  Agent* a = c->agent;
   if (more) {
     uv_read_stop(reinterpret_cast<uv_stream_t*>(&c->pipe));
-    a->backlog_.insert(c);
+    if (std::find(a->backlog_.begin(), a->backlog_.end(), c) == a->backlog_.end())
+      a->backlog_.push_back(c);
+
     if (!a->backlog_idle_) {
       a->backlog_idle_ = new uv_idle_t;
       uv_idle_init(c->pipe.loop, a->backlog_idle_);
@@ -703,6 +710,7 @@ void on_read(uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) {
 
 void on_backlog(uv_idle_t* idle) {
   auto* a = static_cast<Agent*>(idle->data);
+  // In the order they were left; one the turn's budget does not reach goes back to the end.
   std::vector<void*> turn(a->backlog_.begin(), a->backlog_.end());
   a->backlog_.clear();
   for (void* p : turn) {
@@ -861,12 +869,27 @@ std::string Agent::start_control() {
     (void)shm::refuse_passed_fds(lfd);
   rc = uv_listen(reinterpret_cast<uv_stream_t*>(control_), 64, on_connection);
   if (rc < 0) return "cannot listen on " + path + ": " + uv_strerror(rc);
+  // The requests' budget of a loop turn starts over after each poll for I/O.
+  turn_check_ = new uv_check_t;
+  uv_check_init(loop_, turn_check_);
+  turn_check_->data = this;
+  uv_check_start(turn_check_, [](uv_check_t* h) {
+    auto* a = static_cast<Agent*>(h->data);
+    a->frames_most_per_turn_ = std::max(a->frames_most_per_turn_, a->frames_this_turn_);
+    a->frames_this_turn_ = 0;
+  });
+  uv_unref(reinterpret_cast<uv_handle_t*>(turn_check_));  // never what keeps the loop alive
   return "";
 }
 
 void close_all_clients(Agent* agent) {
   std::vector<void*> all(agent->clients_.begin(), agent->clients_.end());
   for (void* c : all) close_conn(static_cast<Conn*>(c));
+  if (agent->turn_check_) {
+    uv_check_stop(agent->turn_check_);
+    close_and_delete(agent->turn_check_);
+    agent->turn_check_ = nullptr;
+  }
   if (agent->backlog_idle_) {
     uv_idle_stop(agent->backlog_idle_);
     close_and_delete(agent->backlog_idle_);

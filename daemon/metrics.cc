@@ -280,6 +280,9 @@ std::string Agent::render_metrics() {
          protocol_errors_);
   single("bubble_agent_refused_clients_total", "counter",
          "Control connections refused for their peer credentials.", refused_clients_);
+  single("bubble_agent_control_requests_most_per_turn", "gauge",
+         "The most control requests the agent answered in one turn of its loop (at most 64).",
+         frames_most_per_turn_);
   single("bubble_agent_metrics_requests_total", "counter",
          "Scrapes of this endpoint.", metrics_requests_);
   return o;

@@ -1,10 +1,13 @@
 """The control protocol: a Hello with a version check first; malformed, truncated and
 oversized frames get an error reply and the connection is closed; the agent never crashes."""
+import os
 import random
+import signal
 import socket
 import struct
 import subprocess
 import time
+import urllib.request
 
 import pytest
 
@@ -228,3 +231,31 @@ def test_clients_together_hold_a_bounded_amount_of_the_agents_memory(agent):
         s.close()
     assert agent.agent.poll() is None, "the agent died"
     assert agent.ctl_ok("status")
+
+
+def test_clients_pipelining_at_once_get_a_bounded_number_of_answers_per_loop_turn(env):
+    """Eight clients whose requests all arrive in one poll of the agent's loop (it is stopped
+    while they send) are answered over several turns: at most 64 answers a turn for all of
+    them together (16 for one), not 16 for each, so timers wait on a bounded amount of work."""
+    env.start_agent()
+    port = env.status()["metrics_port"]
+    clients = [connect(env) for _ in range(8)]
+    for s in clients:
+        s.sendall(frame(encode(HELLO)))
+        assert read_frame(s) is not None
+    burst = frame(encode("(id = 2, status = void)")) * 40
+    os.kill(env.agent.pid, signal.SIGSTOP)
+    try:
+        for s in clients:
+            s.sendall(burst)
+    finally:
+        os.kill(env.agent.pid, signal.SIGCONT)
+    for s in clients:  # every request answered
+        for _ in range(40):
+            assert read_frame(s) is not None
+        s.close()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=20) as r:
+        text = r.read().decode()
+    most = [float(line.split()[1]) for line in text.splitlines()
+            if line.startswith("bubble_agent_control_requests_most_per_turn ")]
+    assert most and 16 <= most[0] <= 64, most
