@@ -64,13 +64,15 @@ std::string Agent::start(uv_loop_t* loop) {
   log_timer_ = new_timer(loop_, this);
   relaunch_timer_ = new_timer(loop_, this);
   save_timer_ = new_timer(loop_, this);
-  // An agent that went on with part of its records would launch none of the rest, and delete
-  // their logs as orphans.
-  e = readopt_tasks();
-  if (!e.empty()) return e;
+  // What can fail for a passing reason (a port or socket in use) first: an agent that fails
+  // to start must not have acted on its tasks (continued, stopped them) on its way out.
   e = start_metrics();
   if (!e.empty()) return e;
   e = start_control();
+  if (!e.empty()) return e;
+  // An agent that went on with part of its records would launch none of the rest, and delete
+  // their logs as orphans.
+  e = readopt_tasks();
   if (!e.empty()) return e;
   e = start_hub_watch();
   if (!e.empty()) return e;

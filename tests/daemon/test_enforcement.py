@@ -2,8 +2,11 @@
 killed after the configured number of violations; every action is recorded and shown."""
 import os
 import signal
+import socket
+import sqlite3
+import subprocess
 
-from conftest import HOSTILE_TASK, TASK_GOOD, TASK_ROGUE, children, proc_state, wait_until
+from conftest import BUBBLED, HOSTILE_TASK, TASK_GOOD, TASK_ROGUE, children, proc_state, wait_until
 
 
 def test_task_ignoring_pause_is_stopped_then_killed(env):
@@ -141,3 +144,34 @@ def test_a_task_inside_its_trainers_process_is_never_signalled(env):
     # A cancel goes through the hub, never as a signal to the trainer.
     env.ctl("cancel", str(tid))
     assert both.poll() is None
+
+
+def test_an_agent_that_cannot_start_leaves_its_tasks_as_they_were(env):
+    """An agent whose metrics port is taken exits with the reason, before it acts on any task:
+    a task an earlier agent had stopped is neither continued nor recorded as continued."""
+    tid, wrapper, task = _stopped_rogue(env)
+    env.kill_agent(signal.SIGKILL)
+
+    def recorded():
+        db = sqlite3.connect(os.path.join(env.state, "bubbled.db"), timeout=30)
+        try:
+            return db.execute("SELECT COUNT(*) FROM actions WHERE task = ?", (tid,)).fetchone()[0]
+        finally:
+            db.close()
+
+    before = recorded()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        r = subprocess.run([BUBBLED, "--socket", env.socket, "--state-dir", env.state,
+                            "--metrics-port", str(taken.getsockname()[1])],
+                           env=env.env, capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+    assert r.returncode != 0 and "cannot serve metrics" in r.stderr, r.stderr
+    assert proc_state(task) == "T", proc_state(task)
+    assert recorded() == before
+    # The next agent that starts does continue it (its escalation died with the old agent).
+    env.start_agent()
+    assert any("the agent restarted" in a for a in _actions_of(env, tid))
