@@ -1240,10 +1240,11 @@ void Trainer::drain_reports() {
           if (rep.b > rep.a || rep.a > rep.ts_ns || rep.count == 0) continue;
           // Steps follow one another: a report claims at most the time since the last one
           // ended (or since the attach), so a task's step time never exceeds its wall time.
-          if (rep.ts_ns <= s.steps_until_ns) continue;
-          const uint64_t a = std::min(rep.a, rep.ts_ns - s.steps_until_ns);
+          // Its steps still count when that leaves no time (two reports stamped alike).
+          const uint64_t room = rep.ts_ns > s.steps_until_ns ? rep.ts_ns - s.steps_until_ns : 0;
+          const uint64_t a = std::min(rep.a, room);
           const uint64_t b = std::min(rep.b, a);
-          s.steps_until_ns = rep.ts_ns;
+          s.steps_until_ns = std::max(s.steps_until_ns, rep.ts_ns);
           hs->steps.fetch_add(rep.count, std::memory_order_relaxed);
           hs->ns_in_bubbles.fetch_add(a - b, std::memory_order_relaxed);
           hs->ns_outside.fetch_add(b, std::memory_order_relaxed);

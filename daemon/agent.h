@@ -68,6 +68,7 @@ struct Hub {
   uint64_t harvest_seen = 0;   // of snap.task_ns_in_bubbles, counted into harvested_ns
   std::map<uint64_t, EnforceState> enforce;   // hub task id -> escalation state
   std::map<uint64_t, int64_t> task_rows;      // hub task id -> agent task id
+  std::map<uint64_t, uint64_t> adopt_after;   // hub task id -> when to try its row again (ms)
   uint64_t gone_ns = 0;  // when its trainer went away (mono_ns), 0 while alive
   // Its first snapshot since it was opened was reconciled: attached rows of this hub it did not
   // show had detached before (while the agent was down, or from an earlier trainer).
@@ -187,8 +188,8 @@ class Agent {
   // Kills what is left of a submitted task's process group once its wrapper is gone.
   void kill_orphans(const TaskRow& row, bool wrapper_died);
   void signal_task(const TaskRow& row, int sig);
-  // A self-attached task whose pid is its hub's trainer's (it runs on a trainer's thread).
-  static bool in_trainer_process(const TaskRow& row, const Hub& hub);
+  // A self-attached task whose pid is a trainer's (it runs on a thread of a trainer process).
+  bool in_trainer_process(const TaskRow& row) const;
   // Ends as lost the rows of tasks that attached by themselves to `hub`, unless it is open.
   void end_attached_rows(const std::string& hub, const std::string& why);
   // Continues a task that enforcement stopped, records why, and saves it as running.

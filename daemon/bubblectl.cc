@@ -42,9 +42,10 @@ const char kUsage[] =
     "                                   the tail of a task's output; --follow: and then what\n"
     "                                   it writes, until it has ended\n"
     "  actions [N]                      the last N enforcement actions (default 50)\n"
-    "  wait ID [--timeout SECONDS]      wait until a task ends; exit 0 if it finished, 1 if\n"
+    "  wait ID [--timeout SECONDS] [-v] wait until a task ends; exit 0 if it finished, 1 if\n"
     "                                   it ended otherwise, 3 at the timeout, 4 if the agent\n"
-    "                                   cannot be reached (for 30 s once it was)\n"
+    "                                   cannot be reached (for 30 s once it was); -v: say\n"
+    "                                   each state it is seen in, on stderr\n"
     "  trace [--seconds S] [-o FILE]    hubs' events as Chrome trace JSON (Perfetto)\n"
     "  timeline [--seconds S] [-o FILE] the last seconds as an SVG, one lane per hub\n"
     "SIZE: bytes, or with K, M, G, T (powers of 1024), e.g. 512M\n"
@@ -214,7 +215,7 @@ class Client {
     std::unique_ptr<capnp::MessageReader> reader;
     if (!read_frame_fd(fd_, &frames_, &reader, &err)) {
       if (!sent) unreachable(write_err + " (agent at " + path_ + ")");
-      if (errno == EAGAIN) die("the agent at " + path_ + " did not answer within 60 s");
+      if (errno == EAGAIN) unreachable("the agent at " + path_ + " did not answer within 60 s");
       unreachable(err + " (agent at " + path_ + ")");
     }
     try {
@@ -584,8 +585,12 @@ int cmd_wait(const std::string& socket, const std::vector<std::string>& args) {
   if (args.empty()) usage_error("wait needs a task id");
   uint64_t id = parse_id(args[0]);
   double timeout = -1;
+  bool verbose = false;     // say each state the task is seen in, on stderr
+  std::string last_state;
   for (size_t i = 1; i < args.size(); ++i) {
-    if (args[i] == "--timeout") {
+    if (args[i] == "--verbose" || args[i] == "-v") {
+      verbose = true;
+    } else if (args[i] == "--timeout") {
       const std::string& v = option_value(args, &i, "seconds, 0 or more");
       if (!parse_seconds(v, 1e9, &timeout))
         usage_error("--timeout " + v + " is not a number of seconds (0 or more, e.g. 90 or 1.5)");
@@ -617,6 +622,10 @@ int cmd_wait(const std::string& socket, const std::vector<std::string>& args) {
         if (t.getId() != id) continue;
         found = true;
         std::string st = str(t.getState());
+        if (verbose && st != last_state) {
+          fprintf(stderr, "task #%llu: %s\n", static_cast<unsigned long long>(id), st.c_str());
+          last_state = st;
+        }
         if (final_state(st)) {
           printf("%s: %s\n", st.c_str(), str(t.getMessage()).c_str());
           return st == "finished" ? 0 : 1;

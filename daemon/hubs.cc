@@ -507,11 +507,17 @@ void Agent::reconcile_tasks(Hub* hub) {
         row.submitted_at = row.started_at = wall_ms();
         row.attempts = 1;
         row.message = "attached to the hub by itself";
-        if (!store_.insert_task(&row)) {  // without an id it cannot be kept: next snapshot
-          agent_log("cannot record attached task %s (pid %d): %s; trying again", t.name.c_str(),
-                    t.pid, store_.last_error().c_str());
+        // Without an id it cannot be kept: tried again a second later, said once.
+        auto after = hub->adopt_after.find(t.id);
+        if (after != hub->adopt_after.end() && uv_now(loop_) < after->second) continue;
+        if (!store_.insert_task(&row)) {
+          if (after == hub->adopt_after.end())
+            agent_log("cannot record attached task %s (pid %d): %s; trying again every second",
+                      t.name.c_str(), t.pid, store_.last_error().c_str());
+          hub->adopt_after[t.id] = uv_now(loop_) + 1000;
           continue;
         }
+        hub->adopt_after.erase(t.id);
         rid = row.id;
         tasks_[rid] = row;
         agent_log("adopted task %s (pid %d) on hub %s as #%lld", t.name.c_str(), t.pid,
@@ -595,7 +601,7 @@ void Agent::enforce_hub(Hub* hub, uint64_t now) {
     Verdict v = enforce_step(cfg_.enforce, &st, moment, {t.pause_requested_ns, t.pause_acked_ns, t.started},
                              now);
     if (v == Verdict::kNone) continue;
-    if (in_trainer_process(row, *hub)) {
+    if (in_trainer_process(row)) {
       // A task on a thread of its trainer (the C ABI allows it): a signal would stop or kill
       // the trainer, and every rank with it. Its trainer decides about its threads; the agent
       // records the first violation and signals nothing.

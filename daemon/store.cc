@@ -165,7 +165,9 @@ std::string Store::open(const std::string& path, const char* vfs) {
                     " (check the state directory, --state-dir)";
     return e;
   }
-  sqlite3_busy_timeout(db_, 2000);
+  // Only another process writing (an operator's sqlite3) makes a write wait; the agent's loop
+  // waits with it, so not for long: a write refused is made again (Agent::save).
+  sqlite3_busy_timeout(db_, 250);
   // WAL keeps readers and the writer apart. synchronous=NORMAL: a commit is in the file (an
   // agent that dies loses nothing) without a sync; submissions sync (synced(), store.h).
   if (!exec("PRAGMA journal_mode=WAL;") || !exec("PRAGMA synchronous=NORMAL;") ||

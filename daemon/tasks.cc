@@ -99,6 +99,10 @@ void Agent::save_unsaved() {
         uv_timer_start(save_timer_, TaskCallbacks::on_save_timer, kSaveRetryMs, 0);
       return;
     }
+    // The exit file its end was read from was kept for this write (on_task_exit).
+    const std::string& state = it->second.state;
+    if (state_is_final(state) || state == "queued")
+      unlink((cfg_.state_dir + "/run/" + std::to_string(id) + ".exit").c_str());
     ++saved;
   }
   if (saved) agent_log("saved %zu task records a failed write had left behind", saved);
@@ -543,17 +547,19 @@ void Agent::kill_orphans(const TaskRow& row, bool wrapper_died) {
   }
 }
 
-bool Agent::in_trainer_process(const TaskRow& row, const Hub& hub) {
-  return row.origin == "attached" && row.pid > 0 && row.pid == hub.snap.trainer_pid;
+bool Agent::in_trainer_process(const TaskRow& row) const {
+  if (row.origin != "attached" || row.pid <= 0) return false;
+  for (const auto& [name, hub] : hubs_)  // any trainer: a task may serve another trainer's hub
+    if (hub->snap.trainer_pid == row.pid) return true;
+  return false;
 }
 
 void Agent::signal_task(const TaskRow& row, int sig) {
   if (row.pid <= 0) return;
   // Never signal a process that merely reuses the pid.
   if (row.pid_start && !same_process(row.pid, row.pid_start)) return;
-  // Nor a trainer: a task attached from a thread of its trainer has the trainer's pid.
-  auto hit = hubs_.find(row.hub);
-  if (hit != hubs_.end() && in_trainer_process(row, *hit->second)) {
+  // Nor a trainer: a task attached from a thread of a trainer has that trainer's pid.
+  if (in_trainer_process(row)) {
     agent_log("task #%lld runs inside its trainer's process (pid %d): not sent %s",
               static_cast<long long>(row.id), row.pid, strsignal(sig));
     return;
@@ -879,7 +885,11 @@ void Agent::settle_dead_tasks() {
     lt->id = id;
     lt->cancel = row.state == "stopping" && row.message.find("cancel") != std::string::npos;
     // Stopped for another hub (its own drained or gone): placed again, as a running agent does.
-    lt->replace = row.state == "stopping" && !lt->cancel;
+    // An older agent wrote a stop asked again after a restart without its reason: that one is
+    // ended by its exit status, never run again (it may have been a cancel).
+    lt->replace = row.state == "stopping" && !lt->cancel &&
+                  row.message.find("stop requested before the agent restarted") ==
+                      std::string::npos;
     LiveTask* raw = lt.get();
     live_[id] = std::move(lt);
     on_task_exit(raw, st);

@@ -143,7 +143,9 @@ def test_a_task_inside_its_trainers_process_is_never_signalled(env):
     assert env.task(tid)["state"] == "running"
     # A cancel goes through the hub, never as a signal to the trainer.
     env.ctl("cancel", str(tid))
-    assert both.poll() is None
+    before = env.hub("own:0")["bubbles"]
+    wait_until("bubbles after the cancel", lambda: env.hub("own:0")["bubbles"] > before + 5)
+    assert both.poll() is None and proc_state(both.pid) not in ("T", "t", ""), proc_state(both.pid)
 
 
 def test_an_agent_that_cannot_start_leaves_its_tasks_as_they_were(env):

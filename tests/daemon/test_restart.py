@@ -317,18 +317,6 @@ def test_a_task_drained_while_the_agent_was_down_is_placed_again(env):
     assert t["state"] == "running" and t["hub"] == "k:0" and t["attempts"] == 2, t
 
 
-def _sleeping_between_looks(pid):
-    """True while `bubblectl wait` sleeps between two looks (so it has made one): blocked in
-    clock_nanosleep, which /proc/PID/syscall shows by number."""
-    number = {"x86_64": "230", "aarch64": "115"}.get(os.uname().machine)
-    assert number, "add this machine's clock_nanosleep number"
-    try:
-        with open(f"/proc/{pid}/syscall") as f:
-            return f.read().split()[0] == number
-    except (OSError, IndexError):
-        return False
-
-
 def test_wait_goes_on_through_a_restart_of_the_agent(env, tmp_path):
     """An agent being restarted (an upgrade) is not the task failing: `wait` tries again and
     reports how the task ends (exit 0: finished), not that the agent was gone (exit 4)."""
@@ -337,17 +325,20 @@ def test_wait_goes_on_through_a_restart_of_the_agent(env, tmp_path):
     gate = tmp_path / "gate"
     tid = env.submit("/bin/sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.02; done")
     env.wait_state(tid, "running")
-    waiter = subprocess.Popen([BUBBLECTL, "--socket", env.socket, "wait", str(tid)],
+    waiter = subprocess.Popen([BUBBLECTL, "--socket", env.socket, "wait", str(tid), "-v"],
                               env=env.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
     try:
-        wait_until("the waiter between looks", lambda: _sleeping_between_looks(waiter.pid))
+        def said(what):  # the waiter's next line on stderr (it also ends if the waiter did)
+            wait_until(what, lambda: waiter.poll() is not None
+                       or select.select([waiter.stderr], [], [], 0)[0])
+            return waiter.stderr.readline()
+
+        # Its first look (-v says what it saw) is done before the agent goes.
+        assert said("the first look") == f"task #{tid}: running\n"
         env.kill_agent(signal.SIGTERM)
         # It says so on stderr, and goes on (the agent is started again only after that).
-        wait_until("the waiter to see the agent gone",
-                   lambda: waiter.poll() is not None
-                   or select.select([waiter.stderr], [], [], 0)[0])
-        lost = waiter.stderr.readline()
+        lost = said("the waiter to see the agent gone")
         assert "lost the agent" in lost and "trying again" in lost, (lost, waiter.poll())
         env.start_agent()
         gate.touch()
@@ -378,8 +369,8 @@ def test_wait_says_what_is_wrong_with_its_options_and_when_no_agent_answers(env)
 
 
 def test_a_record_the_agent_could_not_write_is_written_later_and_its_status_is_kept(env, tmp_path):
-    """The database refuses a write (another process holds its write lock past the agent's 2 s
-    wait; a full disk does the same): the task's end is not lost. The row is written once the
+    """The database refuses a write (another process holds its write lock past the agent's
+    0.25 s wait; a full disk does the same): the task's end is not lost. The row is written once the
     database takes writes again, and the exit status file stays until it is."""
     env.trainer("j", 0)
     env.start_agent()
@@ -397,7 +388,7 @@ def test_a_record_the_agent_could_not_write_is_written_later_and_its_status_is_k
 
     lock = sqlite3.connect(path, isolation_level=None, timeout=30)
     try:
-        lock.execute("BEGIN IMMEDIATE")  # the write lock: the agent's writes fail after 2 s
+        lock.execute("BEGIN IMMEDIATE")  # the write lock: the agent's writes fail after 0.25 s
         gate.touch()
         wait_until("the failed save logged", lambda: f"cannot save task #{tid}" in env.log_tail(),
                    timeout=60)
@@ -406,6 +397,8 @@ def test_a_record_the_agent_could_not_write_is_written_later_and_its_status_is_k
         lock.execute("ROLLBACK")
         lock.close()
     wait_until("the row written", lambda: stored_state() == "failed", timeout=60)
+    # and the exit file it was read from, kept until then, is gone
+    assert not os.path.exists(os.path.join(env.state, "run", f"{tid}.exit"))
     # What the agent wrote is what a restarted agent knows.
     env.kill_agent(signal.SIGKILL)
     env.start_agent()

@@ -304,6 +304,13 @@ TEST_CASE("a_tasks_reports_cannot_claim_more_step_time_than_passed_nor_starts_it
     bb_trainer_stats_t st{sizeof st};
     REQUIRE(bb_trainer_stats(t, &st) == BB_OK);
     CHECK(st.task_ns_in_bubbles <= claimed_by - attached);
+    // Two reports stamped alike (a coarse clock): the second gets no time, but its step counts.
+    const uint64_t same = bb_now_ns();
+    boaster.push(bb::shm::ReportType::kStep, 0, same, 1000);
+    const uint64_t ns_before = ctl->step_ns.load();
+    boaster.push(bb::shm::ReportType::kStep, 0, same, 1000);
+    CHECK(ctl->steps.load() == 22);
+    CHECK(ctl->step_ns.load() == ns_before);
 
     // Start latencies: none for epochs never given, one for the start that was.
     for (uint32_t e = 1; e <= 50; ++e)

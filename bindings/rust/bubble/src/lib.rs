@@ -22,11 +22,14 @@
 //! ## What the compiler refuses
 //!
 //! The memory of a grant is reachable only while no call that may unmap it can be made. Each
-//! example below fails to compile, and CI checks that it does.
+//! example below fails to compile, and `cargo test` checks that it does. The error each gets
+//! says why (the task borrowed twice, E0499; a step's memory outliving the step, a lifetime
+//! error without a number; a type not `Sync`, E0277): the numbers are checked by a nightly
+//! rustdoc only, a stable one checks just that compiling fails.
 //!
 //! A [`Grant`] borrows its task: `ack_revoke` (like `ack_pause`, `wait_start` or dropping the
 //! task) cannot run while the grant's slice is still used.
-//! ```compile_fail
+//! ```compile_fail,E0499
 //! use bubble::{Task, TaskOptions};
 //! let mut task = Task::attach("job", 0, "t", &TaskOptions::default())?;
 //! if let Some(mut g) = task.grant()? {
@@ -48,7 +51,7 @@
 //! }
 //! ```
 //! A task is used by one thread at a time: it may move to another thread, not be shared.
-//! ```compile_fail
+//! ```compile_fail,E0277
 //! fn shared<T: Sync>() {}
 //! shared::<bubble::Task>();
 //! ```
