@@ -67,7 +67,14 @@ FrameReader::Result FrameReader::next(std::unique_ptr<capnp::MessageReader>* rea
              std::to_string(max_) + " bytes";
     return Result::kError;
   }
-  if (have < 4 + static_cast<size_t>(len)) return need_more();
+  if (have < 4 + static_cast<size_t>(len)) {
+    need_more();  // the frame now starts the buffer
+    // Once a frame is past the size an idle reader keeps, room for the whole of it at once:
+    // grown by doubling, its buffer could take up to twice its size, depending on how its
+    // bytes happened to arrive (and the memory bound counts the buffer's capacity).
+    if (have > kKeepBytes) buf_.reserve(4 + static_cast<size_t>(len));
+    return Result::kNeedMore;
+  }
   body_ = kj::heapArray<capnp::word>(len / 8);
   memcpy(body_.begin(), at + 4, len);
   start_ += 4 + static_cast<size_t>(len);

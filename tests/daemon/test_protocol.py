@@ -226,7 +226,8 @@ def test_clients_together_hold_a_bounded_amount_of_the_agents_memory(agent):
     wait_until("the agent to close the clients holding the most",
                lambda: sum("holding the most memory" in line for line in agent.log_lines()) >= 4)
     closed = sum("holding the most memory" in line for line in agent.log_lines())
-    assert closed <= 12, f"{closed} clients closed: more than the bound needs"
+    assert closed <= 12, (f"{closed} clients closed: more than the bound needs",
+                          [l for l in agent.log_lines() if "holding the most" in l])
     for s in socks:
         s.close()
     assert agent.agent.poll() is None, "the agent died"

@@ -190,6 +190,30 @@ TEST_CASE("frames_roundtrip_split_anywhere") {
   CHECK(fr.pending() == 0);
 }
 
+TEST_CASE("a_large_frame_arriving_in_pieces_takes_its_own_size_not_twice_it") {
+  // The agent's memory bound counts each reader's buffer capacity: a frame grown by doubling
+  // as its pieces came could count (and take) up to twice its size.
+  capnp::MallocMessageBuilder msg;
+  auto hello = msg.initRoot<bb::proto::Request>().initHello();
+  hello.setProtocolVersion(bb::proto::PROTOCOL_VERSION);
+  hello.setClient(std::string(4 << 20, 'x'));
+  std::vector<uint8_t> bytes;
+  std::string error;
+  REQUIRE(encode_frame(msg, 16 << 20, &bytes, &error));
+  FrameReader fr(16 << 20);
+  std::unique_ptr<capnp::MessageReader> r;
+  size_t fed = 0;
+  while (bytes.size() - fed > 100000) {  // pieces of an odd size, as reads may come
+    fr.feed(reinterpret_cast<const char*>(bytes.data()) + fed, 100000);
+    fed += 100000;
+    REQUIRE(fr.next(&r, &error) == FrameReader::Result::kNeedMore);
+    CHECK(fr.held_bytes() <= std::max<size_t>(bytes.size(), 2 * fed));
+  }
+  CHECK(fr.held_bytes() <= bytes.size() + 64 * 1024);
+  fr.feed(reinterpret_cast<const char*>(bytes.data()) + fed, bytes.size() - fed);
+  REQUIRE(fr.next(&r, &error) == FrameReader::Result::kFrame);
+}
+
 TEST_CASE("a_reader_lets_go_of_a_large_frame_once_it_is_done_with") {
   capnp::MallocMessageBuilder msg;
   auto req = msg.initRoot<bb::proto::Request>();
