@@ -338,55 +338,53 @@ struct task_changer : bubble::side_task {
   }
 };
 
-// Runs a task_changer's task in one bubble on another thread; the outcome of its run.
-bubble::outcome run_changer(const std::string& job, bubble::trainer& t, task_changer& c,
-                            std::unique_ptr<bubble::task>& k) {
-  k = std::make_unique<bubble::task>(job, 0, "changer");
-  c.owner = &k;
-  bubble::task* raw = k.get();
-  auto run = std::async(std::launch::async, [&] { return raw->run(c); });
-  REQUIRE(eventually([&] { return t.tasks().size() == 1; }));
-  t.begin(200ms);
-  REQUIRE(run.wait_for(20s) == std::future_status::ready);
-  t.end();
-  return run.get();
-}
+// A hub, and a task_changer's task run in one of its bubbles on another thread.
+struct changed_run {
+  std::string job = unique_job();
+  bubble::trainer t{job, 0};
+  task_changer c;
+  std::unique_ptr<bubble::task> k;
+  explicit changed_run(task_changer::what act) : c(act) {}
+  // The outcome of the task's run.
+  bubble::outcome run() {
+    k = std::make_unique<bubble::task>(job, 0, "changer");
+    c.owner = &k;
+    bubble::task* raw = k.get();
+    auto running = std::async(std::launch::async, [&] { return raw->run(c); });
+    REQUIRE(eventually([&] { return t.tasks().size() == 1; }));
+    t.begin(200ms);
+    REQUIRE(running.wait_for(20s) == std::future_status::ready);
+    t.end();
+    return running.get();
+  }
+};
 
 TEST_CASE("iterative: a task destroyed from inside its own run is detached as the run returns") {
-  auto job = unique_job();
-  bubble::trainer t(job, 0);
-  task_changer c(task_changer::what::destroy);
-  std::unique_ptr<bubble::task> k;
-  CHECK(run_changer(job, t, c, k) == bubble::outcome::finished);  // the run went on
-  CHECK(c.steps == 3);
-  CHECK(!k);
-  CHECK(eventually([&] { return t.tasks().empty(); }));  // not left attached
+  changed_run r(task_changer::what::destroy);
+  CHECK(r.run() == bubble::outcome::finished);  // the run went on
+  CHECK(r.c.steps == 3);
+  CHECK(!r.k);
+  CHECK(eventually([&] { return r.t.tasks().empty(); }));  // not left attached
 }
 
 TEST_CASE("iterative: a task moved from inside its own run keeps its handle in the new owner") {
-  auto job = unique_job();
-  bubble::trainer t(job, 0);
-  task_changer c(task_changer::what::move_out);
-  std::unique_ptr<bubble::task> k;
-  CHECK(run_changer(job, t, c, k) == bubble::outcome::finished);
-  REQUIRE(c.moved);
-  CHECK_THROWS_AS((void)k->native_handle(), bubble::error);  // moved from
-  CHECK(c.moved->native_handle() != nullptr);
-  CHECK(t.tasks().size() == 1);  // still attached, through its new owner
-  c.moved->detach();             // which can detach it now that the run is over
-  CHECK(eventually([&] { return t.tasks().empty(); }));
+  changed_run r(task_changer::what::move_out);
+  CHECK(r.run() == bubble::outcome::finished);
+  REQUIRE(r.c.moved);
+  CHECK_THROWS_AS((void)r.k->native_handle(), bubble::error);  // moved from
+  CHECK(r.c.moved->native_handle() != nullptr);
+  CHECK(r.t.tasks().size() == 1);  // still attached, through its new owner
+  r.c.moved->detach();             // which can detach it now that the run is over
+  CHECK(eventually([&] { return r.t.tasks().empty(); }));
 }
 
 TEST_CASE("iterative: run() inside its own run() is refused with E_STATE and the run goes on") {
-  auto job = unique_job();
-  bubble::trainer t(job, 0);
-  task_changer c(task_changer::what::nested_run);
-  std::unique_ptr<bubble::task> k;
-  CHECK(run_changer(job, t, c, k) == bubble::outcome::finished);
-  CHECK(c.nested == bubble::status::E_STATE);
-  CHECK(c.steps == 3);
-  CHECK_THROWS_AS((void)k->native_handle(), bubble::error);  // the detach asked for was done
-  CHECK(eventually([&] { return t.tasks().empty(); }));
+  changed_run r(task_changer::what::nested_run);
+  CHECK(r.run() == bubble::outcome::finished);
+  CHECK(r.c.nested == bubble::status::E_STATE);
+  CHECK(r.c.steps == 3);
+  CHECK_THROWS_AS((void)r.k->native_handle(), bubble::error);  // the detach asked for was done
+  CHECK(eventually([&] { return r.t.tasks().empty(); }));
 }
 
 TEST_CASE("iterative: idle() runs while the task waits, and done from it finishes the run") {
