@@ -549,8 +549,10 @@ void Agent::kill_orphans(const TaskRow& row, bool wrapper_died) {
 
 bool Agent::in_trainer_process(const TaskRow& row) const {
   if (row.origin != "attached" || row.pid <= 0) return false;
-  for (const auto& [name, hub] : hubs_)  // any trainer: a task may serve another trainer's hub
-    if (hub->snap.trainer_pid == row.pid) return true;
+  // Any live trainer (a task may serve another trainer's hub); a gone hub's trainer is dead,
+  // and its pid may name a task now.
+  for (const auto& [name, hub] : hubs_)
+    if (hub->alive && hub->snap.trainer_pid == row.pid) return true;
   return false;
 }
 
