@@ -37,6 +37,7 @@ struct AgentConfig {
   uint64_t check_interval_ns = 1'000'000;    // enforcement tick while tasks run
   uint64_t sample_interval_ns = 100'000'000;  // event/metrics sampling while hubs live
   uint64_t stop_timeout_ns = 5'000'000'000;   // graceful stop -> SIGTERM -> SIGKILL
+  uint32_t trainer_answer_ms = 1000;          // an open's wait for a trainer (see hubs.cc)
   uint32_t max_attempts = 10;                 // launches per task (re-placement included)
   uint32_t keep_ended = 10000;                // ended tasks kept in the records, newest first
   uint64_t log_max_bytes = 64ull << 20;       // output kept per log file of a running task

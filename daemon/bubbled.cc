@@ -33,6 +33,10 @@ const char kUsage[] =
     "  --sample-ms MS        hub sampling interval while hubs live (default 100)\n"
     "  --stop-timeout-ms MS  graceful stop before SIGTERM, and SIGTERM before SIGKILL\n"
     "                        (default 5000)\n"
+    "  --trainer-answer-ms MS  how long opening a hub waits for its trainer to answer;\n"
+    "                        one that does not (stopped, hung) is tried again later;\n"
+    "                        the agent's start and stop wait for opens under way\n"
+    "                        (default 1000, at most 30000)\n"
     "  --hub-gpu JOB:RANK=N  the GPU of a hub (default: its rank)\n"
     "  --keep-ended N        ended tasks kept in the records, with their logs and actions;\n"
     "                        older ones are deleted (default 10000)\n"
@@ -105,6 +109,13 @@ int main(int argc, char** argv) {
       if (a == "--sample-ms") cfg.sample_interval_ns = v * 1'000'000;
       if (a == "--stop-timeout-ms") cfg.stop_timeout_ns = v * 1'000'000;
       if (a == "--kill-after") cfg.enforce.kill_after = static_cast<uint32_t>(v);
+    } else if (a == "--trainer-answer-ms") {
+      const char* s = value();
+      // At most 30 s: the agent's start, and its stop, wait for the opens under way.
+      if (!parse_u64(s, &v) || v == 0 || v > 30'000)
+        bad(std::string("--trainer-answer-ms ") + s +
+            " must be a whole number of milliseconds from 1 to 30000");
+      cfg.trainer_answer_ms = static_cast<uint32_t>(v);
     } else if (a == "--keep-ended") {
       const char* s = value();
       if (!parse_u64(s, &v) || v == 0 || v > 100'000'000)

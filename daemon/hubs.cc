@@ -32,12 +32,11 @@ constexpr size_t kMaxEventsPerHub = 131072;
 // sees a new job id with every training run.
 constexpr size_t kMaxEventsPerGoneHub = 8192;
 constexpr size_t kMaxGoneHubs = 16;
-// How long an open waits for a trainer to accept and answer, and each later request on the
-// observer: a live trainer's service thread answers in microseconds, a stopped (a debugger's
-// breakpoint) or hung one never. Opens wait on the thread pool; the rare later requests (a
-// task's page, a stop) wait on the loop, once per hub until its trainer answers again (see
-// HubObserver::open).
-constexpr uint32_t kTrainerAnswerMs = 1000;
+// How long an open waits for a trainer to accept and answer is AgentConfig::trainer_answer_ms
+// (--trainer-answer-ms, default 1 s): a live trainer's service thread answers in microseconds,
+// a stopped (a debugger's breakpoint) or hung one never. Opens wait on the thread pool, or, at
+// the agent's start, on threads of their own before the loop runs; once a hub is open the loop
+// never waits on its trainer (HubObserver::set_async).
 constexpr int kMaxOpenRetries = 6;
 const uint64_t kRetryDelaysMs[kMaxOpenRetries] = {10, 30, 100, 300, 1000, 3000};
 // Past those, a socket something listens on but does not answer through (a trainer stopped in
@@ -53,16 +52,18 @@ struct HubOpen {
   Agent* agent = nullptr;
   std::string runtime_dir, job, name;
   uint32_t rank = 0;
+  uint32_t answer_ms = 1000;
   bool cancelled = false;
   bb_status st = BB_OK;
   std::unique_ptr<core::HubObserver> obs;
   std::string error;
 
-  HubOpen(Agent* a, const std::string& dir, const std::string& j, uint32_t r)
-      : agent(a), runtime_dir(dir), job(j), name(j + ":" + std::to_string(r)), rank(r) {
+  HubOpen(Agent* a, const AgentConfig& cfg, const std::string& j, uint32_t r)
+      : agent(a), runtime_dir(cfg.runtime_dir), job(j), name(j + ":" + std::to_string(r)),
+        rank(r), answer_ms(cfg.trainer_answer_ms) {
     req.data = this;
   }
-  void run() { st = core::HubObserver::open(runtime_dir, job, rank, &obs, &error, kTrainerAnswerMs); }
+  void run() { st = core::HubObserver::open(runtime_dir, job, rank, &obs, &error, answer_ms); }
 };
 
 struct HubCallbacks {
@@ -180,7 +181,7 @@ void Agent::open_hub_afresh(const std::string& job, uint32_t rank) {
 void Agent::open_hubs_now(const std::vector<core::HubName>& hubs) {
   std::vector<std::unique_ptr<HubOpen>> opens;
   for (const core::HubName& h : hubs)
-    opens.push_back(std::make_unique<HubOpen>(this, cfg_.runtime_dir, h.job, h.rank));
+    opens.push_back(std::make_unique<HubOpen>(this, cfg_, h.job, h.rank));
   // In parallel: trainers that do not answer cost the start one timeout per batch, not one
   // each. Where no thread can be had (a limit on processes), the rest are opened one by one.
   for (size_t from = 0; from < opens.size(); from += kStartOpenThreads) {
@@ -203,7 +204,7 @@ void Agent::try_open_hub(const std::string& job, uint32_t rank) {
   auto it = hubs_.find(name);
   if (it != hubs_.end() && it->second->alive) return;
   if (opening_.count(name)) return;  // its answer is on the way
-  auto o = std::make_unique<HubOpen>(this, cfg_.runtime_dir, job, rank);
+  auto o = std::make_unique<HubOpen>(this, cfg_, job, rank);
   const int rc = uv_queue_work(loop_, &o->req, HubCallbacks::on_open_work,
                                HubCallbacks::on_open_done);
   if (rc < 0) {
