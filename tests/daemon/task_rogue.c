@@ -4,7 +4,9 @@
  *
  * With --own-trainer it first opens the hub BUBBLE_JOB.BUBBLE_RANK itself and runs its bubbles
  * (4 ms, every 12 ms) on a thread, so the rogue task runs inside its trainer's process, as the
- * C ABI allows: an agent must never signal that process. */
+ * C ABI allows: an agent must never signal that process. With --own-trainer JOB the hub it
+ * opens is JOB.BUBBLE_RANK, and the task attaches to another trainer's hub: its process is still
+ * a trainer's. */
 #include <bubble/bubble.h>
 
 #include <pthread.h>
@@ -30,10 +32,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   const uint32_t r = (uint32_t)strtoul(rank, NULL, 10);
-  if (argc == 2 && strcmp(argv[1], "--own-trainer") == 0) {
+  if ((argc == 2 || argc == 3) && strcmp(argv[1], "--own-trainer") == 0) {
     bb_trainer_h trainer;
     pthread_t th;
-    if (bb_trainer_open(job, r, NULL, &trainer) != BB_OK) {
+    if (bb_trainer_open(argc == 3 ? argv[2] : job, r, NULL, &trainer) != BB_OK) {
       fprintf(stderr, "task_rogue: open: %s\n", bb_last_error());
       return 3;
     }

@@ -6,6 +6,8 @@ import socket
 import sqlite3
 import subprocess
 
+import pytest
+
 from conftest import BUBBLED, HOSTILE_TASK, TASK_GOOD, TASK_ROGUE, children, proc_state, wait_until
 
 
@@ -120,31 +122,39 @@ def test_an_agent_that_stops_continues_the_tasks_it_had_stopped(env):
     assert any("the agent is stopping" in a for a in _actions_of(env, tid))
 
 
-def test_a_task_inside_its_trainers_process_is_never_signalled(env):
+@pytest.mark.parametrize("hub", ["its own", "another trainer's"])
+def test_a_task_inside_a_trainers_process_is_never_signalled(env, hub):
     """The C ABI lets a trainer run a side task on one of its own threads; that task's pid is
     the trainer's. When it ignores pauses, a SIGSTOP or SIGKILL would stop or kill the trainer
-    (and hang every rank with it): the agent records the violation and signals nothing."""
+    (and hang every rank with it): the agent records the violation and signals nothing. That
+    holds as well when the task attached to another trainer's hub than its process's."""
     env.start_agent("--grace-ms", "20", "--kill-after", "2")
-    both = env.spawn([TASK_ROGUE, "--own-trainer"], "own-trainer.log",
-                     env=dict(env.env, BUBBLE_JOB="own", BUBBLE_RANK="0"))
+    if hub == "its own":
+        name, argv = "own:0", [TASK_ROGUE, "--own-trainer"]
+    else:
+        env.trainer("j", 0)
+        name, argv = "j:0", [TASK_ROGUE, "--own-trainer", "own"]
+    both = env.spawn(argv, "own-trainer.log",
+                     env=dict(env.env, BUBBLE_JOB=name.split(":")[0], BUBBLE_RANK="0"))
     unenforced = wait_until(
         "the violation recorded",
         lambda: [a for a in env.ctl("actions").stdout.splitlines()[1:] if a.split()[4:5] == ["unenforced"]])
     tid = int(unenforced[0].split()[1])
     t = env.task(tid)
-    assert t["pid"] == both.pid and t["state"] == "running", t
+    assert t["pid"] == both.pid and t["state"] == "running" and t["hub"] == name, t
     assert "inside its trainer's process" in t["message"], t
+    assert env.hub("own:0")["trainer_pid"] == both.pid
     # Past the violation that would have killed it (the second: --kill-after 2).
-    before = env.hub("own:0")["bubbles"]
-    wait_until("more bubbles", lambda: env.hub("own:0")["bubbles"] > before + 5)
+    before = env.hub(name)["bubbles"]
+    wait_until("more bubbles", lambda: env.hub(name)["bubbles"] > before + 5)
     assert both.poll() is None and proc_state(both.pid) not in ("T", "t", ""), proc_state(both.pid)
     kinds = [a.split()[4] for a in _actions_of(env, tid)]
     assert kinds == ["unenforced"], kinds
     assert env.task(tid)["state"] == "running"
     # A cancel goes through the hub, never as a signal to the trainer.
     env.ctl("cancel", str(tid))
-    before = env.hub("own:0")["bubbles"]
-    wait_until("bubbles after the cancel", lambda: env.hub("own:0")["bubbles"] > before + 5)
+    before = env.hub(name)["bubbles"]
+    wait_until("bubbles after the cancel", lambda: env.hub(name)["bubbles"] > before + 5)
     assert both.poll() is None and proc_state(both.pid) not in ("T", "t", ""), proc_state(both.pid)
 
 
