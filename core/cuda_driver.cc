@@ -191,6 +191,50 @@ bb_status CudaPrimaryContext::retain(const CudaDriver& drv, int device, std::str
   return BB_OK;
 }
 
+bb_status cuda_device_uuid(const CudaDriver& drv, int device, uint8_t out[kCudaUuidBytes],
+                           std::string* error) {
+  CUdevice dev = 0;
+  CUuuid u{};
+  CUresult rc = drv.DeviceGet(&dev, device);
+  if (rc == CUDA_SUCCESS) rc = drv.DeviceGetUuid(&u, dev);
+  if (rc != CUDA_SUCCESS) {
+    *error = drv.describe(("reading the UUID of CUDA device " + std::to_string(device)).c_str(),
+                          rc);
+    return cuda_status(rc);
+  }
+  std::memcpy(out, u.bytes, kCudaUuidBytes);
+  return BB_OK;
+}
+
+std::string cuda_uuid_string(const uint8_t uuid[kCudaUuidBytes]) {
+  std::string s = "GPU-";
+  char hex[3];
+  for (size_t i = 0; i < kCudaUuidBytes; ++i) {
+    std::snprintf(hex, sizeof hex, "%02x", uuid[i]);
+    s += hex;
+    if (i == 3 || i == 5 || i == 7 || i == 9) s += '-';
+  }
+  return s;
+}
+
+bb_status cuda_device_by_uuid(const CudaDriver& drv, const uint8_t uuid[kCudaUuidBytes],
+                              int* device, std::string* error) {
+  for (int d = 0; d < drv.device_count; ++d) {
+    uint8_t u[kCudaUuidBytes];
+    if (const bb_status st = cuda_device_uuid(drv, d, u, error); st != BB_OK) return st;
+    if (std::memcmp(u, uuid, kCudaUuidBytes) == 0) {
+      *device = d;
+      return BB_OK;
+    }
+  }
+  const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
+  *error = "the memory is on GPU " + cuda_uuid_string(uuid) + ", which this process does not "
+           "see (it sees " + std::to_string(drv.device_count) + " GPU(s); CUDA_VISIBLE_DEVICES=" +
+           (vis ? std::string(vis) : std::string("(unset)")) +
+           "): run the task where that GPU is visible";
+  return BB_E_UNSUPPORTED;
+}
+
 void CudaPrimaryContext::reset() {
   if (ctx_ && drv_) drv_->DevicePrimaryCtxRelease(dev_);
   ctx_ = nullptr;

@@ -30,6 +30,8 @@ struct CudaDriver {
   X(DeviceGetCount, cuDeviceGetCount, "cuDeviceGetCount")                \
   X(DeviceGet, cuDeviceGet, "cuDeviceGet")                               \
   X(DeviceGetAttribute, cuDeviceGetAttribute, "cuDeviceGetAttribute")    \
+  X(DeviceGetUuid, cuDeviceGetUuid, "cuDeviceGetUuid_v2")                \
+  X(PointerGetAttribute, cuPointerGetAttribute, "cuPointerGetAttribute") \
   X(DevicePrimaryCtxRetain, cuDevicePrimaryCtxRetain, "cuDevicePrimaryCtxRetain") \
   X(DevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2") \
   X(CtxGetCurrent, cuCtxGetCurrent, "cuCtxGetCurrent")                   \
@@ -125,6 +127,18 @@ class CudaClearer {
   const CudaDriver& drv_;
   CUstream stream_ = nullptr;
 };
+
+// A GPU's UUID, the name of a GPU that holds across processes: an ordinal depends on what each
+// process sees (CUDA_VISIBLE_DEVICES), so a grant names its GPU by UUID.
+inline constexpr size_t kCudaUuidBytes = 16;
+bb_status cuda_device_uuid(const CudaDriver& drv, int device, uint8_t out[kCudaUuidBytes],
+                           std::string* error);
+// This process's ordinal of the GPU with that UUID. BB_E_UNSUPPORTED when it sees no such GPU,
+// with an *error that names the UUID and CUDA_VISIBLE_DEVICES.
+bb_status cuda_device_by_uuid(const CudaDriver& drv, const uint8_t uuid[kCudaUuidBytes],
+                              int* device, std::string* error);
+// "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx", as nvidia-smi and CUDA_VISIBLE_DEVICES spell it.
+std::string cuda_uuid_string(const uint8_t uuid[kCudaUuidBytes]);
 
 // A retained primary context of one device; released on destruction.
 class CudaPrimaryContext {

@@ -206,9 +206,21 @@ bb_status StreamTimingImpl::push(void* stream, const Mark& m, uint64_t* mark, st
   // Recorded on a stream being captured into a CUDA graph, the event would become a node of the
   // graph, reached when the graph runs, never as a mark of this stream: the watcher would wait
   // for it in vain (and an end would come at once instead of when the GPU gets there).
+  // A failed query is a refusal too: the legacy stream, asked about while another stream is
+  // being captured, gives CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, and recording on it then would
+  // invalidate that capture.
   CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
-  if (api_.StreamIsCapturing(static_cast<CUstream>(stream), &capture) == CUDA_SUCCESS &&
-      capture != CU_STREAM_CAPTURE_STATUS_NONE) {
+  const CUresult qrc = api_.StreamIsCapturing(static_cast<CUstream>(stream), &capture);
+  if (qrc != CUDA_SUCCESS) {
+    *error = drv_.describe("cuStreamIsCapturing on the trainer's stream", qrc) +
+             (qrc == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+                  ? ": another stream is being captured into a CUDA graph, and a mark on the "
+                    "legacy default stream would break that capture; mark the bubble outside "
+                    "the capture, or on a stream of its own"
+                  : ": pass a live stream of the device given to the stream timing");
+    return qrc == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT ? BB_E_STATE : cuda_status(qrc);
+  }
+  if (capture != CU_STREAM_CAPTURE_STATUS_NONE) {
     *error = "the stream is being captured into a CUDA graph, where a bubble mark is never "
              "reached as such: mark the bubble outside the capture (around the graph's launch)";
     return BB_E_STATE;

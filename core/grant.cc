@@ -1,5 +1,7 @@
 #include "core/grant.h"
 
+#include <unistd.h>
+
 #include <cstring>
 
 #include "core/cuda_driver.h"
@@ -24,6 +26,11 @@ bool parse_grant_backend(const char* name, GrantBackend* out) {
     }
   }
   return false;
+}
+
+void GrantExporter::descriptor_sent(uint64_t, GrantHandle* handle) {
+  if (handle->fd >= 0) close(handle->fd);
+  handle->fd = -1;
 }
 
 bb_status validate_grant(const Grant& g, std::string* error) {

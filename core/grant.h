@@ -36,11 +36,14 @@ inline constexpr size_t kIpcHandleBytes = 64;  // CU_IPC_HANDLE_SIZE
 struct GrantHandle {
   uint64_t map_offset = 0;  // where the grant starts inside what the handle names
   uint64_t map_size = 0;    // bytes to map: the grant's size rounded up to the backend's unit
-  int32_t device = -1;      // CUDA device ordinal (-1 for host)
+  // The exporter's CUDA device ordinal (-1 for host). Another process may number its GPUs
+  // otherwise (CUDA_VISIBLE_DEVICES): importers find the GPU by device_uuid.
+  int32_t device = -1;
   // The exporter's descriptor for host and cuda-vmm. Meaningful only in the exporting process:
   // it is never valid on the wire (wire_copy sets it to -1) and importers ignore it.
   int32_t fd = -1;
   uint8_t ipc[kIpcHandleBytes] = {};  // cuda-ipc: the CUipcMemHandle bytes
+  uint8_t device_uuid[16] = {};       // CUDA backends: the GPU's UUID (cuDeviceGetUuid)
 };
 
 // The grant record. Trivially copyable with a fixed layout, so the hub can store it in a task
@@ -54,7 +57,7 @@ struct Grant {
   GrantHandle handle;
 };
 static_assert(std::is_trivially_copyable_v<Grant> && std::is_standard_layout_v<Grant>);
-static_assert(sizeof(GrantHandle) == 88 && sizeof(Grant) == 120, "Grant is part of the wire ABI");
+static_assert(sizeof(GrantHandle) == 104 && sizeof(Grant) == 136, "Grant is part of the wire ABI");
 
 // A copy fit for another process: the process-local descriptor removed.
 inline Grant wire_copy(const Grant& g) {
@@ -86,6 +89,10 @@ class GrantExporter {
   // failure means the range's state is unknown: the caller must never reuse it.
   virtual bb_status destroy(uint64_t offset, uint64_t size, GrantHandle* handle,
                             std::string* error) = 0;
+  // The grant's descriptor reached its task: the exporter closes its own, so that no process
+  // forked from the trainer (a data loader's workers) keeps the memory alive after destroy().
+  // By default it closes handle->fd.
+  virtual void descriptor_sent(uint64_t offset, GrantHandle* handle);
   // The exporter's own address of offset in the lent range: a host pointer for host, a device
   // pointer (CUdeviceptr) for CUDA backends. The trainer may read what a task wrote there.
   virtual uint64_t address(uint64_t offset) const = 0;

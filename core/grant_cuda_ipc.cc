@@ -31,6 +31,7 @@ class IpcExporter final : public GrantExporter {
                  std::string* error) {
     bb_status st = ctx_.retain(drv_, device, error);
     if (st != BB_OK) return st;
+    if ((st = cuda_device_uuid(drv_, device, uuid_, error)) != BB_OK) return st;
     device_ = device;
     align_ = alignment ? alignment : 256;  // cuMemAlloc's own alignment
     if (align_ & (align_ - 1)) {
@@ -66,6 +67,21 @@ class IpcExporter final : public GrantExporter {
       *error = drv_.describe("cuMemGetAddressRange of the lent pointer", rc) +
                ": lend memory from cuMemAlloc/cudaMalloc on this device";
       return cuda_status(rc);
+    }
+    // The memory must be on the lender's device: tasks map it for work on that GPU, and the
+    // grants are cleared on its stream.
+    int on = -1;
+    if ((rc = drv_.PointerGetAttribute(&on, CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ptr_)) !=
+        CUDA_SUCCESS) {
+      *error = drv_.describe("cuPointerGetAttribute of the lent pointer", rc) +
+               ": lend memory from cuMemAlloc/cudaMalloc on this device";
+      return cuda_status(rc);
+    }
+    if (on != device_) {
+      *error = "the lent pointer is memory of CUDA device " + std::to_string(on) +
+               ", not of device " + std::to_string(device_) +
+               " the lender was told: set the lend options' device to " + std::to_string(on);
+      return BB_E_INVALID;
     }
     if (ptr_ + capacity_ > base + alloc_size) {
       *error = "the cuda-ipc lent range [" + std::to_string(ptr_) + ", +" +
@@ -110,6 +126,7 @@ class IpcExporter final : public GrantExporter {
     h->map_offset = (ptr_ - alloc_base_) + offset;
     h->map_size = size;
     h->device = device_;
+    std::memcpy(h->device_uuid, uuid_, sizeof uuid_);
     h->fd = -1;
     std::memcpy(h->ipc, handle_, kIpcHandleBytes);
     return BB_OK;
@@ -126,6 +143,7 @@ class IpcExporter final : public GrantExporter {
   CudaClearer clearer_;
   bool clear_ = true;
   int device_ = 0;
+  uint8_t uuid_[kCudaUuidBytes] = {};
   uint64_t align_ = 256;
   uint64_t capacity_ = 0;
   CUdeviceptr ptr_ = 0;
@@ -143,8 +161,11 @@ class IpcMapping final : public GrantMapping {
   }
 
   bb_status open(const Grant& g, std::string* error) {
-    bb_status st = ctx_.retain(drv_, g.handle.device, error);
+    // The trainer's GPU by its UUID: this process may number it otherwise.
+    int device = -1;
+    bb_status st = cuda_device_by_uuid(drv_, g.handle.device_uuid, &device, error);
     if (st != BB_OK) return st;
+    if ((st = ctx_.retain(drv_, device, error)) != BB_OK) return st;
     CudaContextScope scope(drv_, ctx_.get());
     CUipcMemHandle h;
     std::memcpy(&h, g.handle.ipc, kIpcHandleBytes);

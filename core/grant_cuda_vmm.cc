@@ -12,6 +12,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <map>
 
 #include "core/cuda_driver.h"
@@ -86,6 +87,7 @@ class VmmExporter final : public GrantExporter {
   bb_status init(int device, uint64_t bytes, std::string* error) {
     bb_status st = ctx_.retain(drv_, device, error);
     if (st != BB_OK) return st;
+    if ((st = cuda_device_uuid(drv_, device, uuid_, error)) != BB_OK) return st;
     device_ = device;
     CudaContextScope scope(drv_, ctx_.get());
     if ((st = vmm_granularity(drv_, ctx_.device(), &gran_, error)) != BB_OK) return st;
@@ -171,8 +173,16 @@ class VmmExporter final : public GrantExporter {
     h->map_offset = 0;
     h->map_size = size;
     h->device = device_;
+    std::memcpy(h->device_uuid, uuid_, sizeof uuid_);
     h->fd = fd;
     return BB_OK;
+  }
+
+  void descriptor_sent(uint64_t offset, GrantHandle* h) override {
+    auto it = live_.find(offset);
+    if (it != live_.end() && it->second.fd >= 0) close(it->second.fd);
+    if (it != live_.end()) it->second.fd = -1;
+    h->fd = -1;
   }
 
   bb_status destroy(uint64_t offset, uint64_t size, GrantHandle* h, std::string* error) override {
@@ -219,6 +229,7 @@ class VmmExporter final : public GrantExporter {
   CudaClearer clearer_;
   bool clear_ = true;
   int device_ = 0;
+  uint8_t uuid_[kCudaUuidBytes] = {};
   uint64_t gran_ = 0;
   uint64_t capacity_ = 0;
   CUdeviceptr base_ = 0;
@@ -238,8 +249,11 @@ class VmmMapping final : public GrantMapping {
       *error = "a cuda-vmm grant needs the descriptor that came with it; none was passed";
       return BB_E_INVALID;
     }
-    bb_status st = ctx_.retain(drv_, g.handle.device, error);
+    // The trainer's GPU by its UUID: this process may number it otherwise.
+    int device = -1;
+    bb_status st = cuda_device_by_uuid(drv_, g.handle.device_uuid, &device, error);
     if (st != BB_OK) return st;
+    if ((st = ctx_.retain(drv_, device, error)) != BB_OK) return st;
     CudaContextScope scope(drv_, ctx_.get());
     uint64_t gran = 0;
     if ((st = vmm_granularity(drv_, ctx_.device(), &gran, error)) != BB_OK) return st;

@@ -118,6 +118,11 @@ bb_status GrantLender::grant(uint64_t size, uint64_t owner, Grant* out, std::str
   return BB_OK;
 }
 
+void GrantLender::descriptor_sent(uint64_t grant_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (Record* r = find_locked(grant_id)) exporter_->descriptor_sent(r->grant.offset, &r->grant.handle);
+}
+
 bb_status GrantLender::revoke(uint64_t grant_id, uint64_t deadline_ns, std::string* error) {
   std::lock_guard<std::mutex> lock(mu_);
   Record* r = find_locked(grant_id);

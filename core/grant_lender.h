@@ -77,9 +77,12 @@ class GrantLender {
 
   // A new grant of at least size bytes for owner (an opaque id, e.g. the task id). *out holds
   // the record to publish (wire_copy() it) and, for fd backends, the descriptor to send; that
-  // descriptor stays owned by the lender until release(). BB_E_NOMEM when no free extent fits,
+  // descriptor stays owned by the lender until descriptor_sent() or release(). BB_E_NOMEM when no free extent fits,
   // BB_E_FULL at max_grants.
   bb_status grant(uint64_t size, uint64_t owner, Grant* out, std::string* error);
+  // The descriptor of grant() reached the task: the lender closes it (the memory stays until
+  // release()).
+  void descriptor_sent(uint64_t grant_id);
   // Starts revoking: the grant must be ACTIVE; deadline_ns (CLOCK_MONOTONIC) is when overdue()
   // starts to list it.
   bb_status revoke(uint64_t grant_id, uint64_t deadline_ns, std::string* error);

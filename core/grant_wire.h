@@ -30,6 +30,8 @@ inline shm::GrantRecord to_record(const Grant& g) {
   r.map_size = g.handle.map_size;
   static_assert(sizeof r.ipc == sizeof g.handle.ipc);
   std::memcpy(r.ipc, g.handle.ipc, sizeof r.ipc);
+  static_assert(sizeof r.device_uuid == sizeof g.handle.device_uuid);
+  std::memcpy(r.device_uuid, g.handle.device_uuid, sizeof r.device_uuid);
   return r;
 }
 
@@ -45,6 +47,7 @@ inline Grant from_record(const shm::GrantRecord& r) {
   g.handle.map_size = r.map_size;
   g.handle.fd = -1;
   std::memcpy(g.handle.ipc, r.ipc, sizeof r.ipc);
+  std::memcpy(g.handle.device_uuid, r.device_uuid, sizeof r.device_uuid);
   return g;
 }
 

@@ -1543,6 +1543,9 @@ bb_status Trainer::offer_grant(uint32_t i, uint64_t bytes, uint64_t* id, std::st
       if (passing) *error += " (descriptors wait unread on its connection: try again shortly)";
       return passing ? BB_E_BUSY : BB_E_SYSTEM;
     }
+    // The task has its own now. The trainer keeps none: a process forked from it without an
+    // exec (a data loader's workers) would inherit it and hold the memory after release.
+    l->descriptor_sent(g.id);
   }
   write_grant(slot_ctl(i), &g);
   s.grant = g.id;

@@ -24,7 +24,7 @@ constexpr uint64_t kPageMagic = 0x3147415042425542ull;  // "BUBBPAG1"
 // 4: the command ring is gone (the signal line carries every start and pause).
 // 5: HubStats::alive, the trainer's life readable with one load.
 // 6: SlotCtl::signal_generation, the slot's attach on its signal line.
-constexpr uint32_t kLayoutVersion = 6;
+constexpr uint32_t kLayoutVersion = 7;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kNameBytes = 48;  // BB_NAME_MAX + NUL
 constexpr uint32_t kReportRingSize = 64;
@@ -122,12 +122,13 @@ struct GrantRecord {
   uint64_t offset;      // in the trainer's lent range
   uint64_t size;        // bytes the task may use
   uint32_t backend;     // core::GrantBackend
-  int32_t device;       // CUDA device ordinal, -1 for host
+  int32_t device;       // the trainer's CUDA device ordinal, -1 for host
   uint64_t map_offset;  // where the grant starts inside what the handle names
   uint64_t map_size;    // bytes to map
   uint8_t ipc[64];      // cuda-ipc: the CUipcMemHandle
+  uint8_t device_uuid[16];  // CUDA backends: the GPU's UUID, which every process names alike
 };
-static_assert(sizeof(GrantRecord) == 112);
+static_assert(sizeof(GrantRecord) == 128);
 
 enum class SlotState : uint32_t { kFree = 0, kActive = 1, kDead = 2 };
 

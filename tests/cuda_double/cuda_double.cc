@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
 #include <atomic>
 #include <deque>
 #include <map>
@@ -66,6 +67,7 @@ struct IpcWire {
   int32_t fd;
   uint64_t size;
   uint64_t serial;
+  int32_t gpu;  // the physical GPU the allocation is on
 };
 static_assert(sizeof(IpcWire) <= CU_IPC_HANDLE_SIZE);
 
@@ -75,6 +77,7 @@ struct Physical {
   int types = 0;
   int maps = 0;
   bool imported = false;
+  int gpu = 0;  // the physical GPU it is on
 };
 struct Reservation {
   size_t size = 0;
@@ -88,11 +91,13 @@ struct DeviceAlloc {
   size_t size = 0;
   int memfd = -1;
   uint64_t serial = 0;
+  int gpu = 0;  // the physical GPU it is on
 };
 struct IpcOpen {
   CUdeviceptr ptr = 0;
   size_t size = 0;
   int refs = 0;
+  int gpu = 0;  // the physical GPU the memory is on
 };
 // A cuMemsetD8Async the "GPU" has not run yet: it happens at cuStreamSynchronize.
 struct PendingMemset {
@@ -105,10 +110,30 @@ struct Failure {
   long nth = 0;  // 0 = every call
 };
 
+// A physical GPU's UUID: "bbdouble" and its index, and the form CUDA_VISIBLE_DEVICES takes.
+CUuuid uuid_of(int gpu) {
+  CUuuid u{};
+  std::memcpy(u.bytes, "bbdouble", 8);
+  u.bytes[15] = static_cast<char>(gpu + 1);
+  return u;
+}
+std::string uuid_string(int gpu) {
+  const CUuuid u = uuid_of(gpu);
+  std::string s = "GPU-";
+  char hex[3];
+  for (int i = 0; i < 16; ++i) {
+    std::snprintf(hex, sizeof hex, "%02x", static_cast<unsigned char>(u.bytes[i]));
+    s += hex;
+    if (i == 3 || i == 5 || i == 7 || i == 9) s += '-';
+  }
+  return s;
+}
+
 struct State {
   std::mutex mu;
   bool initialized = false;
-  int devices = 1;
+  int devices = 1;          // physical GPUs
+  std::vector<int> visible;  // this process's ordinal -> physical GPU (CUDA_VISIBLE_DEVICES)
   size_t granularity = 2u << 20;
   bool no_proc_address = false;
   bool no_vmm = false;
@@ -142,6 +167,31 @@ struct State {
     };
     devices = static_cast<int>(num("BUBBLE_CUDA_DOUBLE_DEVICES", 1));
     if (devices > kMaxDevices) devices = kMaxDevices;
+    // As the real driver reads CUDA_VISIBLE_DEVICES: a comma-separated list of physical
+    // indices or GPU UUIDs ("GPU-..."), in the order the process numbers them; the list ends
+    // at the first entry that names no GPU, or repeats one.
+    visible.clear();
+    const char* vis = std::getenv("CUDA_VISIBLE_DEVICES");
+    if (!vis) {
+      for (int i = 0; i < devices; ++i) visible.push_back(i);
+    } else {
+      std::string list = vis;
+      size_t at = 0;
+      while (at <= list.size()) {
+        size_t end = list.find(',', at);
+        if (end == std::string::npos) end = list.size();
+        const std::string item = list.substr(at, end - at);
+        at = end + 1;
+        int gpu = -1;
+        for (int i = 0; i < devices; ++i)
+          if (item == uuid_string(i)) gpu = i;
+        char* e = nullptr;
+        const long n = std::strtol(item.c_str(), &e, 10);
+        if (gpu < 0 && !item.empty() && *e == 0 && n >= 0 && n < devices) gpu = int(n);
+        if (gpu < 0 || std::find(visible.begin(), visible.end(), gpu) != visible.end()) break;
+        visible.push_back(gpu);
+      }
+    }
     granularity = static_cast<size_t>(num("BUBBLE_CUDA_DOUBLE_GRANULARITY", 2l << 20));
     no_proc_address = num("BUBBLE_CUDA_DOUBLE_NO_PROC_ADDRESS", 0) != 0;
     no_vmm = num("BUBBLE_CUDA_DOUBLE_NO_VMM", 0) != 0;
@@ -178,6 +228,26 @@ State& st() {
 
 thread_local CUcontext current_ctx = nullptr;
 
+// The GPUs this process sees, and the physical GPU of one of its ordinals (-1: none).
+int visible_count() { return static_cast<int>(st().visible.size()); }
+int gpu_of(int ordinal) {
+  return ordinal >= 0 && ordinal < visible_count() ? st().visible[size_t(ordinal)] : -1;
+}
+// The legacy default stream, and whether some stream is being captured now.
+bool is_legacy(CUstream s) { return s == nullptr || s == CU_STREAM_LEGACY; }
+bool any_capture() {
+  for (const auto& [s, status] : st().captures)
+    if (status == CU_STREAM_CAPTURE_STATUS_ACTIVE) return true;
+  return false;
+}
+
+// This process's ordinal of a physical GPU, -1 when it does not see it.
+int ordinal_of(int gpu) {
+  for (int i = 0; i < visible_count(); ++i)
+    if (st().visible[size_t(i)] == gpu) return i;
+  return -1;
+}
+
 const char* result_name(CUresult rc) {
   switch (rc) {
     case CUDA_SUCCESS: return "CUDA_SUCCESS";
@@ -197,6 +267,7 @@ const char* result_name(CUresult rc) {
     case CUDA_ERROR_NOT_READY: return "CUDA_ERROR_NOT_READY";
     case CUDA_ERROR_LAUNCH_FAILED: return "CUDA_ERROR_LAUNCH_FAILED";
     case CUDA_ERROR_ILLEGAL_ADDRESS: return "CUDA_ERROR_ILLEGAL_ADDRESS";
+    case CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: return "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT";
     default: return nullptr;
   }
 }
@@ -257,8 +328,8 @@ class Call {
 
 bool aligned(size_t v) { return v % st().granularity == 0; }
 
-int make_memfd(size_t size) {
-  int fd = memfd_create("cuda-double", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+int make_memfd(size_t size, const char* name = "cuda-double") {
+  int fd = memfd_create(name, MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return -1;
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
     close(fd);
@@ -269,8 +340,10 @@ int make_memfd(size_t size) {
 
 // New device memory, holding what the last user of those pages left (the fill byte), as the
 // real driver's does: only an explicit memset makes it zero.
-int make_device_memfd(size_t size) {
-  int fd = make_memfd(size);
+int make_device_memfd(size_t size, int gpu) {
+  // Named for its GPU, so that an importer in another process knows where the memory is.
+  const std::string name = "cuda-double-gpu" + std::to_string(gpu);
+  int fd = make_memfd(size, name.c_str());
   if (fd < 0) return -1;
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
@@ -408,7 +481,7 @@ CUresult CUDAAPI cuInit(unsigned int flags) {
   Call c("cuInit");
   c.arg("flags", flags);
   if (flags != 0) return c.violation(CUDA_ERROR_INVALID_VALUE, "flags must be 0");
-  if (st().devices <= 0) return c.ret(CUDA_ERROR_NO_DEVICE);
+  if (visible_count() <= 0) return c.ret(CUDA_ERROR_NO_DEVICE);
   st().initialized = true;
   return c.ret(CUDA_SUCCESS);
 }
@@ -439,6 +512,9 @@ CUresult CUDAAPI cuGetErrorString(CUresult rc, const char** out) {
     case CUDA_ERROR_INVALID_HANDLE: *out = "invalid resource handle"; break;
     case CUDA_ERROR_LAUNCH_FAILED: *out = "unspecified launch failure"; break;
     case CUDA_ERROR_ILLEGAL_ADDRESS: *out = "an illegal memory access was encountered"; break;
+    case CUDA_ERROR_STREAM_CAPTURE_IMPLICIT:
+      *out = "operation would make the legacy stream depend on a capturing blocking stream";
+      break;
     default: *out = "unknown error"; break;
   }
   return CUDA_SUCCESS;
@@ -447,7 +523,7 @@ CUresult CUDAAPI cuGetErrorString(CUresult rc, const char** out) {
 CUresult CUDAAPI cuDeviceGetCount(int* n) {
   Call c("cuDeviceGetCount");
   if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
-  *n = st().devices;
+  *n = visible_count();
   return c.ret(CUDA_SUCCESS);
 }
 
@@ -455,7 +531,7 @@ CUresult CUDAAPI cuDeviceGet(CUdevice* dev, int ordinal) {
   Call c("cuDeviceGet");
   c.arg("ordinal", ordinal);
   if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
-  if (ordinal < 0 || ordinal >= st().devices) return c.ret(CUDA_ERROR_INVALID_DEVICE);
+  if (ordinal < 0 || ordinal >= visible_count()) return c.ret(CUDA_ERROR_INVALID_DEVICE);
   *dev = ordinal;
   return c.ret(CUDA_SUCCESS);
 }
@@ -464,7 +540,7 @@ CUresult CUDAAPI cuDeviceGetAttribute(int* v, CUdevice_attribute attr, CUdevice 
   Call c("cuDeviceGetAttribute");
   c.arg("attr", attr).arg("dev", dev);
   if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
-  if (dev < 0 || dev >= st().devices) return c.ret(CUDA_ERROR_INVALID_DEVICE);
+  if (dev < 0 || dev >= visible_count()) return c.ret(CUDA_ERROR_INVALID_DEVICE);
   switch (attr) {
     case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
     case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED:
@@ -475,11 +551,21 @@ CUresult CUDAAPI cuDeviceGetAttribute(int* v, CUdevice_attribute attr, CUdevice 
   return c.ret(CUDA_SUCCESS);
 }
 
+CUresult CUDAAPI cuDeviceGetUuid(CUuuid* uuid, CUdevice dev) {
+  Call c("cuDeviceGetUuid");
+  c.arg("dev", dev);
+  if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
+  if (!uuid) return c.violation(CUDA_ERROR_INVALID_VALUE, "null pointer");
+  if (dev < 0 || dev >= visible_count()) return c.ret(CUDA_ERROR_INVALID_DEVICE);
+  *uuid = uuid_of(gpu_of(dev));
+  return c.ret(CUDA_SUCCESS);
+}
+
 CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice dev) {
   Call c("cuDevicePrimaryCtxRetain");
   c.arg("dev", dev);
   if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
-  if (dev < 0 || dev >= st().devices) return c.ret(CUDA_ERROR_INVALID_DEVICE);
+  if (dev < 0 || dev >= visible_count()) return c.ret(CUDA_ERROR_INVALID_DEVICE);
   ++st().retains[dev];
   *ctx = &st().contexts[dev];
   return c.ret(CUDA_SUCCESS);
@@ -488,7 +574,7 @@ CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext* ctx, CUdevice dev) {
 CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev) {
   Call c("cuDevicePrimaryCtxRelease");
   c.arg("dev", dev);
-  if (dev < 0 || dev >= st().devices) return c.ret(CUDA_ERROR_INVALID_DEVICE);
+  if (dev < 0 || dev >= visible_count()) return c.ret(CUDA_ERROR_INVALID_DEVICE);
   if (st().retains[dev] == 0)
     return c.violation(CUDA_ERROR_INVALID_CONTEXT, "released a primary context not retained");
   if (--st().retains[dev] == 0 && current_ctx == &st().contexts[dev]) current_ctx = nullptr;
@@ -519,7 +605,8 @@ CUresult CUDAAPI cuMemAlloc(CUdeviceptr* dptr, size_t size) {
   if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
   if (size == 0) return c.violation(CUDA_ERROR_INVALID_VALUE, "size 0");
   if (c.inject("oom")) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
-  int fd = make_device_memfd(size);
+  const int gpu = gpu_of(current_ctx->device);
+  int fd = make_device_memfd(size, gpu);
   if (fd < 0) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
   void* p = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
@@ -527,7 +614,7 @@ CUresult CUDAAPI cuMemAlloc(CUdeviceptr* dptr, size_t size) {
     return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
   }
   *dptr = reinterpret_cast<CUdeviceptr>(p);
-  st().allocs[*dptr] = DeviceAlloc{size, fd, st().next_serial++};
+  st().allocs[*dptr] = DeviceAlloc{size, fd, st().next_serial++, gpu};
   return c.ret(CUDA_SUCCESS);
 }
 
@@ -563,6 +650,26 @@ CUresult CUDAAPI cuMemGetAddressRange(CUdeviceptr* base, size_t* size, CUdevicep
   return c.ret(CUDA_ERROR_NOT_FOUND);
 }
 
+CUresult CUDAAPI cuPointerGetAttribute(void* data, CUpointer_attribute attr, CUdeviceptr dptr) {
+  Call c("cuPointerGetAttribute");
+  c.arg("attr", attr);
+  if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
+  if (!data) return c.violation(CUDA_ERROR_INVALID_VALUE, "null pointer");
+  if (attr != CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) return c.ret(CUDA_ERROR_INVALID_VALUE);
+  int gpu = -1;
+  for (auto& [b, a] : st().allocs)
+    if (dptr >= b && dptr < b + a.size) gpu = a.gpu;
+  for (auto& [k, o] : st().ipc_opens)
+    if (dptr >= o.ptr && dptr < o.ptr + o.size) gpu = o.gpu;
+  for (auto& [b, m] : st().mappings) {
+    const auto p = st().physical.find(m.handle);
+    if (dptr >= b && dptr < b + m.size && p != st().physical.end()) gpu = p->second.gpu;
+  }
+  if (gpu < 0) return c.ret(CUDA_ERROR_INVALID_VALUE);  // not device memory the driver knows
+  *static_cast<int*>(data) = ordinal_of(gpu);
+  return c.ret(CUDA_SUCCESS);
+}
+
 CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle* handle, CUdeviceptr dptr) {
   Call c("cuIpcGetMemHandle");
   if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
@@ -576,6 +683,7 @@ CUresult CUDAAPI cuIpcGetMemHandle(CUipcMemHandle* handle, CUdeviceptr dptr) {
   w.fd = it->second.memfd;
   w.size = it->second.size;
   w.serial = it->second.serial;
+  w.gpu = it->second.gpu;
   std::memset(handle, 0, sizeof *handle);
   std::memcpy(handle, &w, sizeof w);
   return c.ret(CUDA_SUCCESS);
@@ -593,6 +701,13 @@ CUresult CUDAAPI cuIpcOpenMemHandle(CUdeviceptr* dptr, CUipcMemHandle handle, un
   // The real driver refuses to open a handle in the process that exported it.
   if (w.pid == getpid()) return c.ret(CUDA_ERROR_INVALID_CONTEXT);
   if (c.inject("import")) return c.ret(CUDA_ERROR_INVALID_HANDLE);
+  // The real driver maps memory of a GPU this process cannot see nowhere, and memory of
+  // another GPU it sees through peer access: work meant for the context's GPU would run on
+  // one GPU against another's memory.
+  if (ordinal_of(w.gpu) < 0) return c.ret(CUDA_ERROR_INVALID_DEVICE);
+  if (gpu_of(current_ctx->device) != w.gpu)
+    c.violation(CUDA_SUCCESS, "opened in the context of GPU %d memory of GPU %d (peer access)",
+                gpu_of(current_ctx->device), w.gpu);
   auto key = std::make_pair(static_cast<int>(w.pid), w.serial);
   auto it = st().ipc_opens.find(key);
   if (it != st().ipc_opens.end()) {
@@ -616,6 +731,7 @@ CUresult CUDAAPI cuIpcOpenMemHandle(CUdeviceptr* dptr, CUipcMemHandle handle, un
   o.ptr = reinterpret_cast<CUdeviceptr>(p);
   o.size = w.size;
   o.refs = 1;
+  o.gpu = w.gpu;
   st().ipc_opens[key] = o;
   *dptr = o.ptr;
   return c.ret(CUDA_SUCCESS);
@@ -644,7 +760,7 @@ CUresult CUDAAPI cuMemGetAllocationGranularity(size_t* g, const CUmemAllocationP
   if (c.need_init()) return c.violation(CUDA_ERROR_NOT_INITIALIZED, "before cuInit");
   if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
       prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id < 0 ||
-      prop->location.id >= st().devices)
+      prop->location.id >= visible_count())
     return c.violation(CUDA_ERROR_INVALID_VALUE, "prop must be pinned memory on a valid device");
   *g = st().granularity;
   return c.ret(CUDA_SUCCESS);
@@ -659,7 +775,7 @@ CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
   if (flags != 0) return c.violation(CUDA_ERROR_INVALID_VALUE, "flags must be 0");
   if (!prop || prop->type != CU_MEM_ALLOCATION_TYPE_PINNED ||
       prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id < 0 ||
-      prop->location.id >= st().devices || prop->win32HandleMetaData)
+      prop->location.id >= visible_count() || prop->win32HandleMetaData)
     return c.violation(CUDA_ERROR_INVALID_VALUE, "prop must be pinned memory on a valid device");
   if (prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_NONE &&
       prop->requestedHandleTypes != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
@@ -668,10 +784,11 @@ CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
     return c.violation(CUDA_ERROR_INVALID_VALUE, "size %zu is not a multiple of granularity %zu",
                        size, st().granularity);
   if (c.inject("oom")) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
-  int fd = make_device_memfd(size);
+  const int gpu = gpu_of(prop->location.id);
+  int fd = make_device_memfd(size, gpu);
   if (fd < 0) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
   *handle = st().next_handle++;
-  st().physical[*handle] = Physical{fd, size, prop->requestedHandleTypes, 0, false};
+  st().physical[*handle] = Physical{fd, size, prop->requestedHandleTypes, 0, false, gpu};
   c.arg("handle", *handle);
   return c.ret(CUDA_SUCCESS);
 }
@@ -727,11 +844,14 @@ CUresult CUDAAPI cuMemImportFromShareableHandle(CUmemGenericAllocationHandle* ha
       std::strncmp(target, "/memfd:cuda-double", 18) != 0)
     return c.ret(CUDA_ERROR_INVALID_VALUE);  // not a descriptor this driver exported
   if (c.inject("import")) return c.ret(CUDA_ERROR_INVALID_HANDLE);
+  // The exporter's GPU, from the name its memfd was given ("cuda-double-gpuN").
+  const char* g = std::strstr(target, "-gpu");
+  const int gpu = g ? std::atoi(g + 4) : 0;
   int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);  // the caller keeps its descriptor
   if (own < 0) return c.ret(CUDA_ERROR_OPERATING_SYSTEM);
   *handle = st().next_handle++;
-  st().physical[*handle] =
-      Physical{own, static_cast<size_t>(sb.st_size), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0, true};
+  st().physical[*handle] = Physical{own, static_cast<size_t>(sb.st_size),
+                                    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0, true, gpu};
   c.arg("handle", *handle);
   return c.ret(CUDA_SUCCESS);
 }
@@ -819,7 +939,7 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
   for (size_t i = 0; i < count; ++i) {
     c.arg("dev", desc[i].location.id).arg("flags", desc[i].flags);
     if (desc[i].location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc[i].location.id < 0 ||
-        desc[i].location.id >= st().devices)
+        desc[i].location.id >= visible_count())
       return c.violation(CUDA_ERROR_INVALID_DEVICE, "access location is not a valid device");
     if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE) prot = PROT_READ | PROT_WRITE;
     else if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_READ) prot |= PROT_READ;
@@ -835,6 +955,15 @@ CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessD
     pos += it->second.size;
   }
   if (pos != ptr + size) return c.violation(CUDA_ERROR_INVALID_VALUE, "range ends mid-mapping");
+  // Access from another GPU than the memory's is peer access: legal where the GPUs allow it,
+  // but libbubble means to map memory for work on the GPU it is on.
+  for (pos = ptr; pos < ptr + size; pos += st().mappings[pos].size) {
+    const auto p = st().physical.find(st().mappings[pos].handle);
+    for (size_t i = 0; p != st().physical.end() && i < count; ++i)
+      if (gpu_of(desc[i].location.id) != p->second.gpu)
+        c.violation(CUDA_SUCCESS, "access for GPU %d to memory of GPU %d (peer access)",
+                    gpu_of(desc[i].location.id), p->second.gpu);
+  }
   if (c.inject("access")) return c.ret(CUDA_ERROR_NOT_PERMITTED);
   mprotect(reinterpret_cast<void*>(ptr), size, prot);
   for (pos = ptr; pos < ptr + size; pos += st().mappings[pos].size)
@@ -885,6 +1014,13 @@ CUresult CUDAAPI cuEventRecord(CUevent e, CUstream stream) {
   c.arg("stream", reinterpret_cast<uintptr_t>(stream));
   if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
   if (!valid_event(e)) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live event");
+  // Work on the legacy stream synchronises with every blocking stream: while one is captured,
+  // the driver refuses it and invalidates that capture.
+  if (is_legacy(stream) && any_capture()) {
+    for (auto& [s, status] : st().captures) status = CU_STREAM_CAPTURE_STATUS_INVALIDATED;
+    return c.violation(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT,
+                       "recorded on the legacy stream during a capture (which it invalidated)");
+  }
   const uint64_t gen = e->sh->recorded.fetch_add(1) + 1;
   st().pending[stream].emplace_back(e, gen);
   return c.ret(CUDA_SUCCESS);
@@ -897,6 +1033,12 @@ CUresult CUDAAPI cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus* sta
   Call c("cuStreamIsCapturing");
   c.arg("stream", reinterpret_cast<uintptr_t>(stream));
   if (!status) return c.violation(CUDA_ERROR_INVALID_VALUE, "status is NULL");
+  // As the driver documents: the legacy stream asked about while a blocking stream is being
+  // captured gives this error, and the status is unspecified.
+  if (is_legacy(stream) && any_capture()) {
+    *status = CU_STREAM_CAPTURE_STATUS_ACTIVE;  // unspecified: a caller must not read it
+    return c.ret(CUDA_ERROR_STREAM_CAPTURE_IMPLICIT);
+  }
   auto it = st().captures.find(stream);
   *status = it == st().captures.end() ? CU_STREAM_CAPTURE_STATUS_NONE : it->second;
   return c.ret(CUDA_SUCCESS);
@@ -1092,7 +1234,8 @@ CUresult CUDAAPI cuGetProcAddress(const char* symbol, void** pfn, int version, c
   static const Entry table[] = {
       BBD_ENTRY_(cuInit), BBD_ENTRY_(cuDriverGetVersion), BBD_ENTRY_(cuGetErrorName),
       BBD_ENTRY_(cuGetErrorString), BBD_ENTRY_(cuDeviceGetCount), BBD_ENTRY_(cuDeviceGet),
-      BBD_ENTRY_(cuDeviceGetAttribute), BBD_ENTRY_(cuDevicePrimaryCtxRetain),
+      BBD_ENTRY_(cuDeviceGetAttribute), BBD_ENTRY_(cuDeviceGetUuid),
+      BBD_ENTRY_(cuPointerGetAttribute), BBD_ENTRY_(cuDevicePrimaryCtxRetain),
       BBD_ENTRY_(cuDevicePrimaryCtxRelease), BBD_ENTRY_(cuCtxGetCurrent),
       BBD_ENTRY_(cuCtxSetCurrent), BBD_ENTRY_(cuMemAlloc), BBD_ENTRY_(cuMemFree),
       BBD_ENTRY_(cuMemGetAddressRange), BBD_ENTRY_(cuIpcGetMemHandle),

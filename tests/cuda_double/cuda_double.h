@@ -17,6 +17,13 @@
  *                                   dropped undone); export and import also cover
  *                                   cuIpcGet/OpenEventHandle.
  *   BUBBLE_CUDA_DOUBLE_DEVICES      GPUs to pretend (default 1; 0 makes cuInit fail NO_DEVICE).
+ *   CUDA_VISIBLE_DEVICES            as the real driver reads it: which of those GPUs the
+ *                                   process sees, and its ordinals for them. Each GPU has a
+ *                                   UUID (cuDeviceGetUuid) and its memory remembers its GPU:
+ *                                   an IPC handle or a VMM descriptor opened or given access
+ *                                   from another GPU's context is recorded as a violation
+ *                                   (peer access), and one of a GPU the process cannot see
+ *                                   does not open (CUDA_ERROR_INVALID_DEVICE).
  *   BUBBLE_CUDA_DOUBLE_GRANULARITY  allocation granularity in bytes (default 2 MiB).
  *   BUBBLE_CUDA_DOUBLE_NO_PROC_ADDRESS=1  cuGetProcAddress finds nothing (loaders fall back).
  *   BUBBLE_CUDA_DOUBLE_NO_VMM=1     devices report no virtual memory management support.

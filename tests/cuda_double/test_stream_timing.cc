@@ -226,6 +226,13 @@ TEST_CASE("stream_timing_keeps_out_of_cuda_graph_captures") {
                                   nullptr) == BB_E_STATE);
   CHECK(std::string(bb_last_error()).find("CUDA graph") != std::string::npos);
   CHECK(dbl.pending(captured) == 0);
+  // Nor on the legacy default stream meanwhile: the driver's capture query fails there, and a
+  // record would invalidate the capture (a mark went ahead when the query failed).
+  CHECK(bb_bubble_begin_on_stream(timing.h, nullptr, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                  nullptr) == BB_E_STATE);
+  const std::string why = bb_last_error();
+  CHECK_MESSAGE(why.find("CUDA_ERROR_STREAM_CAPTURE_IMPLICIT") != std::string::npos, why);
+  CHECK(dbl.capture_status(captured) == int(CU_STREAM_CAPTURE_STATUS_ACTIVE));
   // While that capture goes on, the watcher polls a mark of another stream. In the driver's
   // default (global) mode its queries would invalidate the capture; it polls in relaxed mode.
   REQUIRE(bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,

@@ -133,14 +133,25 @@ struct Child {
   }
 };
 
-bool start_task(Child* c) {
+// visible: the task's CUDA_VISIBLE_DEVICES ("" leaves the trainer's), as the agent launches a
+// task with only its GPU visible.
+bool start_task(Child* c, const std::string& visible = "") {
   static const char self[] = "/proc/self/exe";
+  // The environment is made before the fork: the child only execs.
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e)
+    if (visible.empty() || std::strncmp(*e, "CUDA_VISIBLE_DEVICES=", 21) != 0) env.push_back(*e);
+  if (!visible.empty()) env.push_back("CUDA_VISIBLE_DEVICES=" + visible);
+  std::vector<char*> envp;
+  for (std::string& e : env) envp.push_back(e.data());
+  envp.push_back(nullptr);
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) != 0) return false;
   c->pid = fork();
   if (c->pid == 0) {
     if (sv[1] == 3) fcntl(3, F_SETFD, 0); else dup2(sv[1], 3);
-    execl(self, "bubble_grant_gpu_test", "--task", "3", static_cast<char*>(nullptr));
+    execle(self, "bubble_grant_gpu_test", "--task", "3", static_cast<char*>(nullptr),
+           envp.data());
     _exit(127);
   }
   close(sv[1]);
@@ -173,12 +184,17 @@ bool request(Child& c, const Request& req, int fd, Reply* rep, std::string* err)
     }                                                                  \
   } while (0)
 
-bool run_backend(core::GrantBackend backend, bool clear = true) {
+// device: the GPU the trainer lends from; a task started for another GPU than 0 sees only that
+// one (its device 0), so the grant must find it by UUID, not by the trainer's ordinal.
+bool run_backend(core::GrantBackend backend, bool clear = true, int device = 0) {
   std::string err;
   core::LendOptions o;
   o.backend = backend;
   o.bytes = 256ull << 20;
   o.clear = clear;
+  o.device = device;
+  EXPECT(cudaSetDevice(device) == cudaSuccess && cudaFree(nullptr) == cudaSuccess,
+         "cannot use GPU %d", device);
   // Device memory before lending, to check that it all comes back when the lender goes (as at
   // bb_trainer_unlend and bb_trainer_close).
   size_t free_before = 0, total = 0;
@@ -187,7 +203,8 @@ bool run_backend(core::GrantBackend backend, bool clear = true) {
   bb_status st = core::GrantLender::create(o, &lender, &err);
   EXPECT(st == BB_OK, "lend: %s", err.c_str());
   Child task;
-  EXPECT(start_task(&task), "could not start the task process");
+  EXPECT(start_task(&task, device == 0 ? "" : std::to_string(device)),
+         "could not start the task process");
 
   for (uint32_t round = 0; round < 3; ++round) {
     const uint64_t size = (uint64_t{round} + 1) * (24ull << 20) + 4 * round;
@@ -197,6 +214,7 @@ bool run_backend(core::GrantBackend backend, bool clear = true) {
     Request req{kOpGrant, 0x5eed0000u + round, core::wire_copy(g)};
     Reply rep{};
     EXPECT(request(task, req, g.handle.fd, &rep, &err), "%s", err.c_str());
+    lender->descriptor_sent(g.id);  // as the trainer does: the task has its own now
     EXPECT(rep.status == BB_OK, "task: %s", rep.error);
     // Every round's grant starts where the last one's holder wrote its pattern.
     if (clear)
@@ -235,8 +253,9 @@ bool run_backend(core::GrantBackend backend, bool clear = true) {
   constexpr size_t kSlack = 16u << 20;
   EXPECT(free_after + kSlack >= free_before, "device memory did not come back when the lender "
          "went: %zu MiB free before lending, %zu MiB after", free_before >> 20, free_after >> 20);
-  std::printf("ok   %s%s: 3 grants %s, written by a kernel in another process, read back, "
-              "revoked\n", core::grant_backend_name(backend), clear ? "" : " (clear off)",
+  std::printf("ok   %s%s on GPU %d%s: 3 grants %s, written by a kernel in another process, read "
+              "back, revoked\n", core::grant_backend_name(backend), clear ? "" : " (clear off)",
+              device, device ? " (the task seeing only it)" : "",
               clear ? "found zeroed" : "found holding the previous holder's words");
   return true;
 }
@@ -266,6 +285,13 @@ int main(int argc, char** argv) {
   if (which == "all" || which == "cuda-ipc") {
     ok &= run_backend(core::GrantBackend::kCudaIpc);
     ok &= run_backend(core::GrantBackend::kCudaIpc, false);
+  }
+  // A trainer's last GPU lent to a task that sees only that GPU, as the agent launches tasks.
+  if (n >= 2) {
+    if (which == "all" || which == "cuda-vmm")
+      ok &= run_backend(core::GrantBackend::kCudaVmm, true, n - 1);
+    if (which == "all" || which == "cuda-ipc")
+      ok &= run_backend(core::GrantBackend::kCudaIpc, true, n - 1);
   }
   std::printf("%s\n", ok ? "PASS" : "FAIL");
   return ok ? 0 : 1;

@@ -122,7 +122,7 @@ TEST_CASE("the driver loader resolves its table through cuGetProcAddress") {
   std::string err;
   REQUIRE_MESSAGE(CudaDriver::open(BUBBLE_CUDA_DOUBLE_PATH, &d, &err) == BB_OK, err);
   CHECK(d->via_proc_address);
-  CHECK(dbl().counts().proc_lookups == 31);
+  CHECK(dbl().counts().proc_lookups == 33);  // the entries of BB_CUDA_DRIVER_FUNCTIONS
   CHECK(d->driver_version == 13000);
   CHECK(d->device_count == 1);
   CHECK(d->path == BUBBLE_CUDA_DOUBLE_PATH);
@@ -553,6 +553,128 @@ TEST_CASE("cuda-vmm: an import failure in the other process leaves it nothing") 
     check_peer_left_nothing(rep);
     CHECK(peer.stop() == 0);
     REQUIRE(l->release(g.id, &err) == BB_OK);
+  }
+}
+
+// ---- which GPU: a grant names it by UUID, since processes number their GPUs differently ------
+
+namespace {
+
+// A driver table opened afresh: the double re-read BUBBLE_CUDA_DOUBLE_DEVICES when it was reset,
+// and the shared table still counts the GPUs it saw first.
+std::unique_ptr<CudaDriver> fresh_driver() {
+  std::unique_ptr<CudaDriver> d;
+  std::string err;
+  REQUIRE_MESSAGE(CudaDriver::open(BUBBLE_CUDA_DOUBLE_PATH, &d, &err) == BB_OK, err);
+  return d;
+}
+
+}  // namespace
+
+TEST_CASE("a grant of the trainer's second GPU maps in a task that sees only that GPU") {
+  // The agent launches a task with CUDA_VISIBLE_DEVICES=<its GPU>, so the trainer's device 1 is
+  // the task's device 0. Mapped by ordinal, the grant failed ("device 1 does not exist") or,
+  // where the task saw both GPUs in another order, landed on the wrong GPU (peer access, which
+  // the double records as a violation).
+  Clean clean;
+  DoubleEnv two("BUBBLE_CUDA_DOUBLE_DEVICES", "2");
+  const auto d = fresh_driver();
+  REQUIRE(d->device_count == 2);
+  for (GrantBackend b : {GrantBackend::kCudaIpc, GrantBackend::kCudaVmm}) {
+    const std::string name = grant_backend_name(b);
+    CAPTURE(name);
+    LendOptions o = options(b, 4 * kMiB);
+    o.driver = d.get();
+    o.device = 1;
+    auto l = lender(o);
+    std::string err;
+    Grant g;
+    REQUIRE(l->grant(kGran, 1, &g, &err) == BB_OK);
+    CHECK(g.handle.device == 1);
+    for (const char* visible : {"1", "1,0"}) {
+      CAPTURE(visible);
+      Peer peer;
+      REQUIRE(peer.start({std::string("BUBBLE_CUDA_DRIVER=") + BUBBLE_CUDA_DOUBLE_PATH,
+                          std::string("CUDA_VISIBLE_DEVICES=") + visible}));
+      const PeerReply rep = peer.exchange(peer_request(bb::test::kPeerMapWriteUnmap, g, 99),
+                                          b == GrantBackend::kCudaVmm ? g.handle.fd : -1);
+      CHECK_MESSAGE(rep.status == BB_OK, rep.error);
+      check_peer_left_nothing(rep);  // no violation: no peer access to another GPU
+      CHECK(pattern_ok(l->address(g.id), g.size, 99));
+      CHECK(peer.stop() == 0);
+    }
+    // A task that does not see the GPU at all is told which one, and why.
+    Peer blind;
+    REQUIRE(blind.start({std::string("BUBBLE_CUDA_DRIVER=") + BUBBLE_CUDA_DOUBLE_PATH,
+                         "CUDA_VISIBLE_DEVICES=0"}));
+    const PeerReply rep = blind.exchange(peer_request(bb::test::kPeerMapWriteUnmap, g, 1),
+                                         b == GrantBackend::kCudaVmm ? g.handle.fd : -1);
+    CHECK(rep.status == BB_E_UNSUPPORTED);
+    const std::string why = rep.error;
+    CHECK_MESSAGE(why.find("which this process does not see") != std::string::npos, why);
+    CHECK_MESSAGE(why.find("CUDA_VISIBLE_DEVICES=0") != std::string::npos, why);
+    CHECK_MESSAGE(why.find("GPU-") != std::string::npos, why);
+    check_peer_left_nothing(rep);
+    CHECK(blind.stop() == 0);
+    REQUIRE(l->release(g.id, &err) == BB_OK);
+  }
+}
+
+TEST_CASE("cuda-ipc: memory of another GPU than the lender's device is refused with the fix") {
+  Clean clean;
+  DoubleEnv two("BUBBLE_CUDA_DOUBLE_DEVICES", "2");
+  const auto d = fresh_driver();
+  // Memory the trainer allocated on its device 1 ...
+  CUcontext ctx = nullptr;
+  CUdevice dev = 0;
+  REQUIRE(d->DeviceGet(&dev, 1) == CUDA_SUCCESS);
+  REQUIRE(d->DevicePrimaryCtxRetain(&ctx, dev) == CUDA_SUCCESS);
+  CUdeviceptr p = 0;
+  {
+    CudaContextScope scope(*d, ctx);
+    REQUIRE(d->MemAlloc(&p, 4 * kMiB) == CUDA_SUCCESS);
+  }
+  // ... lent as if it were device 0's (the option's default).
+  LendOptions o = options(GrantBackend::kCudaIpc, 4 * kMiB, p);
+  o.driver = d.get();
+  std::string err;
+  lender(o, BB_E_INVALID, &err);
+  CHECK_MESSAGE(err.find("memory of CUDA device 1, not of device 0") != std::string::npos, err);
+  CHECK_MESSAGE(err.find("set the lend options' device to 1") != std::string::npos, err);
+  o.device = 1;
+  lender(o);  // as it should be
+  {
+    CudaContextScope scope(*d, ctx);
+    REQUIRE(d->MemFree(p) == CUDA_SUCCESS);
+  }
+  REQUIRE(d->DevicePrimaryCtxRelease(dev) == CUDA_SUCCESS);
+}
+
+TEST_CASE("the lender keeps no grant descriptor once the task has it") {
+  // A trainer's forked workers (a data loader's) inherit every descriptor the trainer holds; a
+  // grant's kept the memory allocated after its release, for as long as any worker lived.
+  for (GrantBackend b : {GrantBackend::kCudaVmm, GrantBackend::kHost}) {
+    const std::string name = grant_backend_name(b);
+    CAPTURE(name);
+    const int fds_before = count_open_fds();
+    {
+      Clean clean;
+      auto l = lender(b, 8 * kMiB);
+      std::string err;
+      Grant g;
+      REQUIRE(l->grant(kGran, 1, &g, &err) == BB_OK);
+      REQUIRE(g.handle.fd >= 0);
+      REQUIRE(fcntl(g.handle.fd, F_GETFD) >= 0);
+      const int with_grant = count_open_fds();
+      l->descriptor_sent(g.id);
+      CHECK(count_open_fds() == with_grant - 1);
+      CHECK(fcntl(g.handle.fd, F_GETFD) == -1);
+      Grant now;
+      REQUIRE(l->find(g.id, &now) == BB_OK);
+      CHECK(now.handle.fd == -1);
+      REQUIRE(l->release(g.id, &err) == BB_OK);  // unmaps and releases; closes nothing twice
+    }
+    CHECK(count_open_fds() == fds_before);
   }
 }
 

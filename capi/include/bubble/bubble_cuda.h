@@ -12,8 +12,10 @@
  *
  * CUDA graphs: a mark on a stream being captured into a graph is refused (BB_E_STATE), since it
  * would become a node of the graph rather than a point of the stream; mark bubbles around the
- * graph's launch. The watcher's event queries run in relaxed capture mode, so they never
- * invalidate a capture the application makes meanwhile (in the default, global mode).
+ * graph's launch. So is a mark on the legacy default stream (0) while any stream is being
+ * captured: recording there would break the capture. The watcher's event queries run in relaxed
+ * capture mode, so they never invalidate a capture the application makes meanwhile (in the
+ * default, global mode).
  *
  * The CUDA driver is loaded at run time as for memory grants; without one these functions fail
  * with BB_E_UNSUPPORTED. The naming contract of bubble.h applies.
