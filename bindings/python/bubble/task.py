@@ -16,7 +16,7 @@ from typing import Iterator
 from . import _lib
 from ._handle import SharedHandle
 from ._lib import lib
-from .errors import BubbleError, CallbackFailed, Status, c_string, check, error_for
+from .errors import BubbleError, CallbackFailed, InvalidState, Status, c_string, check, error_for
 from .grant import GrantLookup, TaskGrant, ViewScope, task_grant
 from .trainer import BubbleKind, _checked
 
@@ -212,15 +212,20 @@ class Task:
         if runtime_dir is not None:
             opts.runtime_dir = c_string("runtime dir", runtime_dir, path=True)
         job, cname = c_string("job id", job_id), c_string("task name", name)
-        handle = ctypes.c_void_p()
-        check(lib.bb_task_attach(job, rank, cname, ctypes.byref(opts), ctypes.byref(handle)))
-        # Every call goes through it, counted in flight: detach() frees the handle only once no
-        # call uses it.
-        self._handle = SharedHandle(handle, "the task is detached; attach a new Task")
         self.name = name
         self._scope = ViewScope()  # views of grant mappings, until a call that may unmap them
         self._lookup = GrantLookup()
         self._run_thread: int | None = None  # the thread inside this task's run(), if any
+        # Every call goes through it, counted in flight: detach() frees the handle only once no
+        # call uses it. Held before the attach, which fills it in place: a KeyboardInterrupt
+        # raised as the attach returns still leaves the slot to detach() or __del__ (a slot
+        # left attached would hold its grant until the trainer killed this process for it).
+        handle = ctypes.c_void_p()
+        self._handle = SharedHandle(handle, "the task is detached; attach a new Task")
+        status = lib.bb_task_attach(job, rank, cname, ctypes.byref(opts), ctypes.byref(handle))
+        if not handle.value:
+            self._handle = None  # nothing was attached
+        check(status)
 
     def _unmapping(self) -> None:
         """Before a call that may unmap the grant: views of it stop working."""
@@ -275,6 +280,11 @@ class Task:
         """Hands the loop to the runtime until the work is done, the task is stopped or the
         trainer leaves. Re-raises whatever a SideTask method raised, and KeyboardInterrupt on
         Ctrl-C (after finish() ran), also while the task waits for a bubble."""
+        if self._run_thread == threading.get_ident():
+            # Before anything: a nested run would close the outer method's grant views and end
+            # with the outer run's marker cleared (the runtime refuses it anyway).
+            raise InvalidState("run() inside this task's own run(): return from the SideTask "
+                               "method instead")
         raised: list[BaseException] = []
         gate = _SigintGate()
 

@@ -28,7 +28,7 @@ from typing import Any, Iterator
 import torch.distributed as dist
 
 from . import now_ns
-from .adapters._common import PipelineSchedule, publish_schedule
+from .adapters._common import PipelineSchedule, _live, publish_schedule, report
 from .trainer import BubbleKind, Trainer
 
 
@@ -52,13 +52,6 @@ class _BubbleWork:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
-
-
-def _live(f: Any) -> Any:
-    """f, or what it wraps if it is the wrapper of an uninstalled P2PBubbles, and so on."""
-    while getattr(f, "_bubble_owner", None) is not None and f._bubble_owner._saved is None:
-        f = f._bubble_inner
-    return f
 
 
 def _torch_op(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -95,6 +88,10 @@ class P2PBubbles:
         self.kind = BubbleKind.STEADY
         self.records: list[BubbleRecord] | None = [] if record else None
         self.bubbles = 0
+        # Reports the trainer refused (closed by a signal handler, say): counted, never raised
+        # into the receive they wrap.
+        self.report_errors = 0
+        self.last_report_error: Exception | None = None
         self._saved: dict[str, Any] | None = None
         self._wrappers: dict[str, Any] = {}
         self.schedule = schedule
@@ -168,8 +165,9 @@ class P2PBubbles:
     # ---- schedule annotations ----------------------------------------------------------------
 
     def iteration(self) -> None:
-        """Marks the start of a training iteration (bubbles are predicted per position)."""
-        self.trainer.iteration()
+        """Marks the start of a training iteration (bubbles are predicted per position). A
+        refusal is counted in report_errors, not raised."""
+        report(self, self.trainer.iteration)
 
     @contextlib.contextmanager
     def phase(self, kind: BubbleKind) -> Iterator[None]:
@@ -194,11 +192,14 @@ class P2PBubbles:
     def _bubble(self) -> Iterator[None]:
         kind = self.kind
         begin = now_ns()
-        self.trainer.bubble_begin(self.expected, free_mem=self.free_mem, kind=kind)
+        if not report(self, self.trainer.bubble_begin, self.expected, free_mem=self.free_mem,
+                      kind=kind):
+            yield  # the receive goes on without a bubble
+            return
         self.bubbles += 1
         try:
             yield
         finally:
-            self.trainer.bubble_end()
+            report(self, self.trainer.bubble_end)
             if self.records is not None:
                 self.records.append(BubbleRecord(self.bubbles, kind, begin, now_ns()))

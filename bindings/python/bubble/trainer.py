@@ -100,10 +100,15 @@ class Trainer:
             opts.runtime_dir = c_string("runtime dir", runtime_dir, path=True)
         if allow_uid is not None:
             opts.allow_uid = allow_uid
+        job = c_string("job id", job_id)
+        # Held before the call, which fills it in place: a KeyboardInterrupt raised as the call
+        # returns (the GIL is given up inside it) still leaves the hub to close() or __del__.
         handle = ctypes.c_void_p()
-        check(lib.bb_trainer_open(c_string("job id", job_id), rank, ctypes.byref(opts),
-                                  ctypes.byref(handle)))
         self._handle = SharedHandle(handle, "the trainer is closed; open a new Trainer")
+        status = lib.bb_trainer_open(job, rank, ctypes.byref(opts), ctypes.byref(handle))
+        if not handle.value:
+            self._handle = None  # nothing was opened
+        check(status)
         self.job_id = job_id
         self.rank = rank
 

@@ -354,6 +354,51 @@ def test_standin_pipelining_install_that_fails_to_publish_leaves_nothing_install
         assert trainer.stats().bubbles == 1
 
 
+def test_standin_pipelining_instances_uninstalled_out_of_order_leave_the_module_clean(job):
+    """A training and an evaluation schedule each get an adapter. Uninstalling the first while
+    the second's wrappers sit on top must keep the second's waits reported, and the second's
+    uninstall must not put the first's wrappers back for good."""
+    mod = _pipelining_standin_with_batches()
+    orig_wait, orig_batch = mod._wait_batch_p2p, mod._batch_p2p
+    stage = types.SimpleNamespace(num_stages=4, stage_index=2)
+    train, evaluate = mod.Schedule1F1B(stage, 8), mod.Schedule1F1B(stage, 8)
+    with bubble.Trainer(job, 0) as trainer:
+        a = PipeliningBubbles(trainer, train, module=mod)
+        b = PipeliningBubbles(trainer, evaluate, module=mod)
+        a.install()
+        b.install()
+        a.uninstall()
+        evaluate.step([("fwd_recv", 0.0)])
+        assert b.waits == 1, "the later instance's waits are no longer reported"
+        train.step([("fwd_recv", 0.0)])  # a's schedule is its own again
+        assert a.waits == 0
+        b.uninstall()
+        assert mod._wait_batch_p2p is orig_wait and mod._batch_p2p is orig_batch
+        assert trainer.stats().bubbles == 1
+
+
+def test_a_trainer_closed_under_the_adapter_never_breaks_a_receive(job):
+    """A SIGTERM handler may close the trainer while the training goes on to its end. Bubble
+    reports then fail; the receives they wrap must still return their results, and the
+    failures are counted instead."""
+    mod = _pipelining_standin_with_batches()
+    sched = mod.Schedule1F1B(types.SimpleNamespace(num_stages=4, stage_index=2), 8)
+    trainer = bubble.Trainer(job, 0)
+    with PipeliningBubbles(trainer, sched, module=mod) as a:
+        assert sched.step([("fwd_recv", 0.0)]) == "loss"
+        assert a.report_errors == 0
+        trainer.close()
+        assert sched.step([("fwd_recv", 0.0), ("bwd_recv", 0.0)]) == "loss"
+        assert mod.waited == 3
+        # The iteration mark and both begins were refused; no end was sent for a bubble that
+        # never began.
+        assert a.report_errors == 3, a.report_errors
+        assert isinstance(a.last_report_error, ValueError)
+        with a.wait("recv"):  # the reporter's own context manager as well
+            pass
+        assert a.report_errors == 4
+
+
 def _deepspeed_standin():
     """deepspeed.runtime.pipe: instruction classes, and an engine that runs them the documented
     way (self._INSTRUCTION_MAP[type(cmd)] bound with MethodType, kwargs from the instruction)."""

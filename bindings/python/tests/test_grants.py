@@ -254,8 +254,9 @@ def test_a_grant_view_taken_in_a_side_task_method_ends_with_it(job):
 
 
 class AcksInsideItsStep(bubble.SideTask):
-    """Takes its grant through Task.grant() in a step, then calls ack_revoke, ack_pause and
-    wait_start there, which the runtime refuses inside a run, and goes on using the view."""
+    """Takes its grant through Task.grant() in a step, then calls run (nested), ack_revoke,
+    ack_pause and wait_start there, which the runtime refuses inside a run, and goes on using
+    the view."""
 
     def __init__(self) -> None:
         self.task: bubble.Task | None = None
@@ -270,11 +271,13 @@ class AcksInsideItsStep(bubble.SideTask):
             return False
         view = g.memory
         view[0] = 9
-        for ack in (self.task.ack_revoke, self.task.ack_pause, self.task.wait_start):
+        calls = [("run", lambda: self.task.run(self)), ("ack_revoke", self.task.ack_revoke),
+                 ("ack_pause", self.task.ack_pause), ("wait_start", self.task.wait_start)]
+        for name, call in calls:
             try:
-                ack()
+                call()
             except bubble.InvalidState:
-                self.refused.append(ack.__name__)
+                self.refused.append(name)
         try:
             view[1] = view[0]
             self.after = "written"
@@ -284,13 +287,15 @@ class AcksInsideItsStep(bubble.SideTask):
 
 
 def test_an_ack_refused_inside_a_run_leaves_the_steps_grant_views_usable(job):
-    """The runtime refuses ack_revoke, ack_pause and wait_start from a task's own run (they
+    """The runtime refuses run, ack_revoke, ack_pause and wait_start from a task's own run (they
     would unmap the grant under the step): the refusal unmaps nothing, so it closes no view."""
     side = AcksInsideItsStep()
     with bubble.Trainer(job, 0) as trainer:
         trainer.lend(LENT)
         runner, task = run_until(job, trainer, side, lambda: side.after is not None)
-        assert side.refused == ["ack_revoke", "ack_pause", "wait_start"]
+        # A nested run is refused before it touches anything: it used to close the step's
+        # views and clear the outer run's mark, so the acks after it closed them as well.
+        assert side.refused == ["run", "ack_revoke", "ack_pause", "wait_start"]
         assert side.after == "written"
         trainer.stop_task(task)
         assert runner.join_result() is bubble.Outcome.STOPPED

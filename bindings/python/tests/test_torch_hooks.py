@@ -50,3 +50,28 @@ def test_instances_uninstalled_out_of_order_leave_torchs_own_functions(job):
         with a, b:
             pass
         assert originals() == before
+
+
+class _PendingWork:
+    """A receive's Work whose data has not come yet; wait() returns its result."""
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, *args, **kwargs):
+        return "received"
+
+
+def test_a_trainer_closed_under_the_hooks_never_breaks_a_receive(job):
+    """A SIGTERM handler may close the trainer while training goes on; the wrapped receive
+    still returns its result, and the refused reports are counted instead of raised."""
+    trainer = bubble.Trainer(job, 0)
+    hooks = P2PBubbles(trainer)
+    assert hooks._wait(_PendingWork()) == "received"
+    assert (hooks.bubbles, hooks.report_errors) == (1, 0)
+    trainer.close()
+    assert hooks._wait(_PendingWork()) == "received"
+    hooks.iteration()
+    assert hooks.bubbles == 1
+    assert hooks.report_errors == 2  # the begin (no end for a bubble never begun), the mark
+    assert isinstance(hooks.last_report_error, ValueError)

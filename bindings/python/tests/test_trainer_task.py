@@ -238,6 +238,44 @@ def test_close_inside_a_call_after_its_c_function_returned_does_not_hang(job, mo
         bubble.Task(job, 0, "late")
 
 
+def test_ctrl_c_as_the_open_or_the_attach_returns_leaks_neither(job, monkeypatch):
+    """CPython raises a KeyboardInterrupt at the first bytecode after a C call that gave up the
+    GIL: here the status check after bb_trainer_open and bb_task_attach. The handle the call
+    made is then already held by the object, so collecting it frees the hub (a leaked one kept
+    its lock: a new Trainer of that job got Busy) and the slot (a leaked one stayed attached)."""
+    import gc
+
+    import bubble.task as task_module
+    import bubble.trainer as trainer_module
+    real_check = trainer_module.check
+
+    def interrupted_once(status):
+        if not fired:
+            fired.append(status)
+            raise KeyboardInterrupt
+        real_check(status)
+    fired: list[int] = []
+    monkeypatch.setattr(trainer_module, "check", interrupted_once)
+    try:
+        bubble.Trainer(job, 0)
+    except KeyboardInterrupt:
+        pass
+    assert fired == [0]
+    gc.collect()
+    monkeypatch.setattr(trainer_module, "check", real_check)
+    with bubble.Trainer(job, 0) as trainer:  # the interrupted one's hub is gone
+        fired.clear()
+        monkeypatch.setattr(task_module, "check", interrupted_once)
+        try:
+            bubble.Task(job, 0, "interrupted")
+        except KeyboardInterrupt:
+            pass
+        assert fired == [0]
+        gc.collect()
+        monkeypatch.setattr(task_module, "check", real_check)
+        assert eventually(lambda: trainer.tasks() == [])
+
+
 def test_detach_on_another_thread_waits_for_wait_start_which_raises(job):
     with bubble.Trainer(job, 0) as trainer:
         task = bubble.Task(job, 0, "waiter")

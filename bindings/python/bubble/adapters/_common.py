@@ -7,13 +7,34 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from .. import now_ns
-from ..errors import InvalidArgument
+from ..errors import BubbleError, InvalidArgument
 from ..trainer import BubbleKind, ScheduleBubbles, ScheduleKind, Trainer
 
 _KINDS = ("gpipe", "1f1b", "interleaved", "zbh1")
 _SCHEDULE_KINDS = {"gpipe": ScheduleKind.GPIPE, "1f1b": ScheduleKind.ONE_F_ONE_B,
                    "interleaved": ScheduleKind.INTERLEAVED, "zbh1": ScheduleKind.ZBH1}
 
+
+def _live(f):
+    """f, or what it wraps if it is the wrapper of an uninstalled reporter (one whose _saved is
+    None: P2PBubbles, PipeliningBubbles), and so on down."""
+    while getattr(f, "_bubble_owner", None) is not None and f._bubble_owner._saved is None:
+        f = f._bubble_inner
+    return f
+
+
+def report(owner, fn, *args, **kwargs) -> bool:
+    """A report to the trainer from inside the training's own calls (a receive, a schedule
+    step). A refusal (the trainer closed by a signal handler, a library error) is counted in
+    owner.report_errors and kept in owner.last_report_error, never raised there: a bubble
+    report must not break the receive it wraps. Returns whether the trainer took it."""
+    try:
+        fn(*args, **kwargs)
+        return True
+    except (BubbleError, ValueError) as e:
+        owner.report_errors += 1
+        owner.last_report_error = e
+        return False
 
 @dataclass(frozen=True)
 class PipelineSchedule:
@@ -111,6 +132,10 @@ class WaitReporter:
         self.records: list[WaitRecord] | None = [] if record else None
         self.iterations = 0
         self.waits = 0              # all waits reported
+        # Reports the trainer refused (closed by a signal handler, say): counted, never raised
+        # into the training's own receive.
+        self.report_errors = 0
+        self.last_report_error: Exception | None = None
         self.published = False      # the predictor knows the schedule
         self._index = 0             # waits in the current iteration
         self._open = False
@@ -125,7 +150,7 @@ class WaitReporter:
 
     def iteration(self) -> None:
         """A training iteration starts: the predictor counts bubble positions from here."""
-        self.trainer.iteration()
+        report(self, self.trainer.iteration)
         self.iterations += 1
         self._index = 0
 
@@ -136,15 +161,17 @@ class WaitReporter:
     def begin(self, name: str) -> tuple[int, BubbleKind, int]:
         kind = self.schedule.kind_of(self._index)
         token = (self._index, kind, now_ns())
-        self.trainer.bubble_begin(self.expected, free_mem=self.free_mem, kind=kind)
-        self._open = True
+        self._open = report(self, self.trainer.bubble_begin, self.expected,
+                            free_mem=self.free_mem, kind=kind)
         self._index += 1
         self.waits += 1
         return token
 
     def end(self, name: str, token: tuple[int, BubbleKind, int]) -> None:
-        self._open = False
-        self.trainer.bubble_end()
+        was_open, self._open = self._open, False
+        if not was_open:  # its begin was refused: the wait went on without a bubble
+            return
+        report(self, self.trainer.bubble_end)
         if self.records is not None:
             index, kind, begin = token
             self.records.append(WaitRecord(self.iterations, index, kind, name, begin, now_ns()))

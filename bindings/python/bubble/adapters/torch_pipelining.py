@@ -28,7 +28,7 @@ from types import ModuleType
 from typing import Any
 
 from ..trainer import Trainer
-from ._common import PipelineSchedule, WaitReporter
+from ._common import PipelineSchedule, WaitReporter, _live
 
 _active = threading.local()
 
@@ -121,21 +121,32 @@ class PipeliningBubbles(WaitReporter):
                 _active.reporter = outer
                 reporter._receiving.clear()
 
+        # Marked as ours, so that an instance installed on top of this one and uninstalled after
+        # it puts back what lies under them, not these (see _live).
+        for wrapper, inner in ((_wait_batch_p2p, orig_wait), (_batch_p2p, orig_batch)):
+            wrapper._bubble_owner = self  # type: ignore[attr-defined]
+            wrapper._bubble_inner = inner  # type: ignore[attr-defined]
         mod._wait_batch_p2p = _wait_batch_p2p
         if orig_batch is not None:
             mod._batch_p2p = _batch_p2p
         self._sched.step = step
         self._saved = (mod, orig_wait, orig_batch)
+        self._wrappers = (_wait_batch_p2p, _batch_p2p)
 
     def uninstall(self) -> None:
+        """Puts back what install() found, less the wrappers of instances uninstalled since.
+        Uninstalled while a later instance's wrappers sit on top of its own, it leaves them there
+        (its own pass everything through from then on: its step() is gone), and that instance's
+        uninstall skips them."""
         if self._saved is None:
             return
-        mod, orig_wait, orig_batch = self._saved
-        mod._wait_batch_p2p = orig_wait
-        if orig_batch is not None:
-            mod._batch_p2p = orig_batch
+        (mod, orig_wait, orig_batch), self._saved = self._saved, None
+        wait_wrapper, batch_wrapper = self._wrappers
+        if mod._wait_batch_p2p is wait_wrapper:
+            mod._wait_batch_p2p = _live(orig_wait)
+        if orig_batch is not None and getattr(mod, "_batch_p2p", None) is batch_wrapper:
+            mod._batch_p2p = _live(orig_batch)
         del self._sched.step  # the instance attribute; the class's method shows again
-        self._saved = None
 
     def __enter__(self) -> "PipeliningBubbles":
         self.install()
