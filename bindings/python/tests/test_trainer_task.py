@@ -188,6 +188,49 @@ class _LibCalling:
         return hooked
 
 
+def test_close_on_another_thread_frees_the_hub_only_after_the_call_in_flight(job, monkeypatch):
+    """A stats() call is held between the handle's read and its C call (where the GIL may pass
+    to another thread); close() on another thread must not free the hub under it. The free is
+    watched through bb_trainer_close itself: for a second (an absence check: there is no event
+    for "did not happen") while the call is held it must not come, and it comes once the held
+    call has reached the live hub."""
+    import bubble.trainer as trainer_module
+    trainer = bubble.Trainer(job, 0)
+    entered, release, freed = threading.Event(), threading.Event(), threading.Event()
+    order: list[str] = []
+
+    class Lib(_LibCalling):
+        def __getattr__(self, name: str):
+            if name == "bb_trainer_close":
+                real = getattr(self._lib, name)
+
+                def close(h):
+                    order.append("hub freed")
+                    freed.set()
+                    return real(h)
+                return close
+            return super().__getattr__(name)
+
+    def hold():
+        entered.set()
+        assert release.wait(30)
+    monkeypatch.setattr(trainer_module, "lib", Lib("bb_trainer_stats", hold))
+
+    def stats_then_note():
+        stats = trainer.stats()
+        order.append("stats returned")
+        return stats
+    held = Background(stats_then_note)
+    assert entered.wait(30)
+    closer = Background(trainer.close)
+    assert eventually(lambda: trainer._handle.closed)  # close() has begun
+    assert not freed.wait(1), "the hub was freed under a call in flight"
+    release.set()
+    assert held.join_result(timeout=30).tasks_attached == 0  # the live hub's stats
+    closer.join_result(timeout=30)
+    assert order == ["stats returned", "hub freed"]
+
+
 def test_close_inside_a_call_of_its_own_thread_returns_and_the_hub_goes_when_the_call_does(
         job, monkeypatch):
     # A SIGTERM handler that closes the trainer while the main thread is inside a trainer
