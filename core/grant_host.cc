@@ -100,11 +100,15 @@ class HostExporter final : public GrantExporter {
   bb_status destroy(uint64_t offset, uint64_t size, GrantHandle* h, std::string* error) override {
     if (!range_ok(offset, size, error)) return BB_E_INVALID;
     // Replace the mapping with reserved address space in one step, so no other mmap in the
-    // process can land in the hole; a task that still maps the memfd keeps its own pages.
+    // process can land in the hole; a task that still maps the memfd keeps its own pages. The
+    // space stays readable and writable: the trainer may be reading what its task wrote when
+    // the task dies or leaves (this runs on the service thread, at any moment), and such a
+    // read must find zeros, not fault. A write there costs a private page until a later grant
+    // maps over it.
     void* at = reinterpret_cast<void*>(address(offset));
     bb_status st = BB_OK;
-    if (mmap(at, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1,
-             0) == MAP_FAILED) {
+    if (mmap(at, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE |
+             MAP_FIXED, -1, 0) == MAP_FAILED) {
       *error = "unmapping a host grant failed: " + errno_text();
       st = BB_E_SYSTEM;
       hole_ = true;  // the kernel may have unmapped it before failing

@@ -282,12 +282,33 @@ TEST_CASE("killed_task_grant_is_reclaimed") {
     REQUIRE(task.wait_line("ATTACHED") != "");
     REQUIRE(t.until_granted(task) != 0);
     CHECK(t.grants().granted_bytes == 102400);  // page-rounded
+    // The trainer reads the results its task writes through this address; the task may die
+    // (or leave) at any moment meanwhile.
+    const bb_grant_info_t g = t.grant_of(t.task_id("victim"));
+    REQUIRE(g.address != 0);
     task.signal(SIGKILL);
     CHECK(task.wait_exit() != -1);
     REQUIRE(eventually([&] { return t.grants().released_dead == 1; }));
     const bb_grant_stats_t s = t.grants();
     CHECK(s.tasks_killed == 0);
     check_lender_empty(s);
+    // A read of the released grant does not fault the trainer: it sees zeros (the task's data
+    // went with its memfd), and a write goes nowhere. Done in a child, so that a fault shows as
+    // its signal rather than ending the test.
+    const pid_t reader = fork();
+    REQUIRE(reader >= 0);
+    if (reader == 0) {
+      auto* p = reinterpret_cast<volatile unsigned char*>(g.address);
+      unsigned sum = 0;
+      for (uint64_t i = 0; i < g.bytes; i += 4096) sum += p[i];
+      p[0] = 1;
+      _exit(sum == 0 ? 0 : 3);
+    }
+    int wst = 0;
+    REQUIRE(waitpid(reader, &wst, 0) == reader);
+    CHECK_MESSAGE(WIFEXITED(wst), "reading a released grant killed the reader with signal "
+                                      << (WIFSIGNALED(wst) ? WTERMSIG(wst) : 0));
+    if (WIFEXITED(wst)) CHECK(WEXITSTATUS(wst) == 0);
   }
   CHECK(fds_back_to(fds_before));
 }

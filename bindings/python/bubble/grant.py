@@ -56,8 +56,10 @@ class GrantInfo:
     deadline_ns: int | None  # while revoking: when the task will be killed
 
     def memory(self) -> memoryview:
-        """The trainer's view of a host grant. Valid only while the grant is active or revoking:
-        once released, its range is unmapped or granted to another task."""
+        """The trainer's view of a host grant. Its contents are the task's while the grant is
+        active or revoking; once released (the task may leave at any moment) the range reads
+        zeros, and a later grant there is another task's. Never use it after unlend() or
+        close(): the whole lent range is unmapped then."""
         if self.backend != GrantBackend.HOST:
             raise TypeError(f"grant {self.id} is device memory ({self.backend!r}): pass "
                             "its address to device code instead")

@@ -546,7 +546,9 @@ typedef struct bb_grant_info_t {
   uint64_t bytes;       /* what was granted (the task may use this many bytes) */
   uint64_t offset;      /* where the grant sits in the lent range */
   uint64_t address;     /* the trainer's own address of it: a host pointer for host, a device
-                           pointer (CUdeviceptr) for the CUDA backends */
+                           pointer (CUdeviceptr) for the CUDA backends. The task may leave at
+                           any moment, which releases the grant: a host range then reads zeros
+                           (never faults); a CUDA range is unmapped */
   uint64_t deadline_ns; /* REVOKING: when the task will be killed */
 } bb_grant_info_t;
 
