@@ -63,9 +63,10 @@ type GrantInfo struct {
 	owner      *Trainer // kept open while this is reachable (its finalizer would close the hub)
 }
 
-// HostMemory is the trainer's view of a host grant (nil for device memory). It stays valid
-// only while the grant is active or revoking: a released range is unmapped or granted to
-// another task, and touching it then faults. The slice alone does not keep the Trainer open:
+// HostMemory is the trainer's view of a host grant (nil for device memory). It holds the
+// task's data while the grant is active or revoking; released (the task may leave at any
+// moment) the range reads zeros, and a later grant there is another task's. After Unlend or
+// Close the lent range is unmapped and touching it faults. The slice alone does not keep the Trainer open:
 // keep the GrantInfo (or the Trainer) reachable while using it.
 func (g *GrantInfo) HostMemory() []byte {
 	if g == nil || g.Backend != GrantHost || g.Address == 0 {
