@@ -55,11 +55,11 @@ type GrantInfo struct {
 	ID, TaskID uint64
 	State      GrantState
 	Backend    GrantBackend
-	Mapped     bool   // the task says it maps the grant (its word: informative only)
-	Bytes      uint64 // what was granted
-	Offset     uint64 // where the grant sits in the lent range
-	Address    uint64 // the trainer's own address: host pointer, or CUdeviceptr for CUDA
-	DeadlineNs uint64 // while revoking: when the task will be killed
+	Mapped     bool     // the task says it maps the grant (its word: informative only)
+	Bytes      uint64   // what was granted
+	Offset     uint64   // where the grant sits in the lent range
+	Address    uint64   // the trainer's own address: host pointer, or CUdeviceptr for CUDA
+	DeadlineNs uint64   // while revoking: when the task will be killed
 	owner      *Trainer // kept open while this is reachable (its finalizer would close the hub)
 }
 
