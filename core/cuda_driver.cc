@@ -91,7 +91,7 @@ bb_status CudaDriver::open(const std::string& path, std::unique_ptr<CudaDriver>*
   drv->member = reinterpret_cast<decltype(drv->member)>(resolve(#fn, versioned));          \
   if (!drv->member)                                                                        \
     return fail("the CUDA driver '" + path + "' has no entry point " versioned             \
-                ": it is too old or not a CUDA driver; libbubble needs driver API 11.0 or newer");
+                ": it is too old or not a CUDA driver; libbubble needs driver API 11.4 or newer");
   BB_CUDA_DRIVER_FUNCTIONS(BB_CUDA_DRIVER_RESOLVE_)
 #undef BB_CUDA_DRIVER_RESOLVE_
   drv->via_proc_address = any_via_gpa;

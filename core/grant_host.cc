@@ -23,6 +23,11 @@ uint64_t page_size() { return static_cast<uint64_t>(sysconf(_SC_PAGESIZE)); }
 
 std::string errno_text() { return std::string(strerror(errno)); }
 
+// A process the trainer forks without an exec (a data loader's workers) gets none of the lent
+// range: a child holding grant pages would keep them alive after their release and could read
+// what a task wrote. Set after every mapping made there, since each MAP_FIXED makes a new VMA.
+void dont_fork(void* at, uint64_t size) { madvise(at, size, MADV_DONTFORK); }
+
 class HostExporter final : public GrantExporter {
  public:
   ~HostExporter() override {
@@ -45,6 +50,7 @@ class HostExporter final : public GrantExporter {
                errno_text();
       return BB_E_NOMEM;
     }
+    dont_fork(base_, capacity_);
     return BB_OK;
   }
 
@@ -86,9 +92,12 @@ class HostExporter final : public GrantExporter {
       if (mmap(at, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1,
                0) == MAP_FAILED)
         hole_ = true;
+      else
+        dont_fork(at, size);
       errno = e;
       return fail("mapping the memfd into the lent range", BB_E_NOMEM);
     }
+    dont_fork(at, size);
     *h = GrantHandle{};
     h->map_offset = 0;
     h->map_size = size;
@@ -101,17 +110,19 @@ class HostExporter final : public GrantExporter {
     if (!range_ok(offset, size, error)) return BB_E_INVALID;
     // Replace the mapping with reserved address space in one step, so no other mmap in the
     // process can land in the hole; a task that still maps the memfd keeps its own pages. The
-    // space stays readable and writable: the trainer may be reading what its task wrote when
-    // the task dies or leaves (this runs on the service thread, at any moment), and such a
-    // read must find zeros, not fault. A write there costs a private page until a later grant
-    // maps over it.
+    // space stays readable: the trainer may be reading what its task wrote when the task dies
+    // or leaves (this runs on the service thread, at any moment), and such a read must find
+    // zeros, not fault. Read-only, it commits no memory (a writable private mapping would be
+    // charged in full under vm.overcommit_memory=2); a write there is the trainer's bug.
     void* at = reinterpret_cast<void*>(address(offset));
     bb_status st = BB_OK;
-    if (mmap(at, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE |
-             MAP_FIXED, -1, 0) == MAP_FAILED) {
+    if (mmap(at, size, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1,
+             0) == MAP_FAILED) {
       *error = "unmapping a host grant failed: " + errno_text();
       st = BB_E_SYSTEM;
       hole_ = true;  // the kernel may have unmapped it before failing
+    } else {
+      dont_fork(at, size);
     }
     if (h->fd >= 0) close(h->fd);
     h->fd = -1;

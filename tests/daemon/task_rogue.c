@@ -6,7 +6,8 @@
  * (4 ms, every 12 ms) on a thread, so the rogue task runs inside its trainer's process, as the
  * C ABI allows: an agent must never signal that process. With --own-trainer JOB the hub it
  * opens is JOB.BUBBLE_RANK, and the task attaches to another trainer's hub: its process is still
- * a trainer's. */
+ * a trainer's; it attaches once the file $ROGUE_GO exists, if that is set (the test first lets
+ * the agent see the hub it opened). */
 #include <bubble/bubble.h>
 
 #include <pthread.h>
@@ -41,6 +42,12 @@ int main(int argc, char** argv) {
     }
     if (pthread_create(&th, NULL, bubbles, trainer) != 0) return 3;
     printf("trainer open (pid %d)\n", (int)getpid());
+    fflush(stdout);
+    const char* go = getenv("ROGUE_GO");
+    for (int i = 0; go && access(go, F_OK) != 0; ++i) {
+      if (i == 6000) return 4;  // a minute
+      usleep(10000);
+    }
   }
   bb_task_h task;
   if (bb_task_attach(job, r, "rogue", NULL, &task) != BB_OK) {

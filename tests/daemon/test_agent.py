@@ -428,8 +428,11 @@ def test_an_open_its_trainer_does_not_answer_does_not_hold_up_the_agent(env):
     env.start_agent("--verbose", "--trainer-answer-ms", "30000")
     path = os.path.join(env.runtime, "held.0.sock")
     with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:  # as a hub's
-        listener.bind(path)
+        # Listening before the name appears, so that the agent's first try is the held one.
+        hidden = os.path.join(env.root, "held.sock")
+        listener.bind(hidden)
         listener.listen(4)
+        os.rename(hidden, path)
         listener.settimeout(20)
         held, _ = listener.accept()  # the agent's open, seen by its directory watch
         with held, agent_connection(env) as s:

@@ -129,13 +129,20 @@ def test_a_task_inside_a_trainers_process_is_never_signalled(env, hub):
     (and hang every rank with it): the agent records the violation and signals nothing. That
     holds as well when the task attached to another trainer's hub than its process's."""
     env.start_agent("--grace-ms", "20", "--kill-after", "2")
+    go = os.path.join(env.root, "go")
     if hub == "its own":
         name, argv = "own:0", [TASK_ROGUE, "--own-trainer"]
     else:
         env.trainer("j", 0)
         name, argv = "j:0", [TASK_ROGUE, "--own-trainer", "own"]
     both = env.spawn(argv, "own-trainer.log",
-                     env=dict(env.env, BUBBLE_JOB=name.split(":")[0], BUBBLE_RANK="0"))
+                     env=dict(env.env, BUBBLE_JOB=name.split(":")[0], BUBBLE_RANK="0",
+                              ROGUE_GO=go))
+    # The task attaches once the agent knows the hub its process serves as trainer; before,
+    # its first violation could come first, and the agent would have had no trainer to spare.
+    wait_until("the agent to see the rogue's own hub",
+               lambda: (h := env.hub("own:0")) and h["alive"] and h["trainer_pid"] == both.pid)
+    open(go, "w").close()
     unenforced = wait_until(
         "the violation recorded",
         lambda: [a for a in env.ctl("actions").stdout.splitlines()[1:] if a.split()[4:5] == ["unenforced"]])

@@ -203,8 +203,16 @@ bool run_backend(core::GrantBackend backend, bool clear = true, int device = 0) 
   bb_status st = core::GrantLender::create(o, &lender, &err);
   EXPECT(st == BB_OK, "lend: %s", err.c_str());
   Child task;
-  EXPECT(start_task(&task, device == 0 ? "" : std::to_string(device)),
-         "could not start the task process");
+  // By UUID: the trainer's ordinal names another GPU where CUDA_VISIBLE_DEVICES is already set
+  // (a scheduler's), and CUDA_VISIBLE_DEVICES takes UUIDs.
+  std::string visible;
+  if (device != 0) {
+    uint8_t uuid[core::kCudaUuidBytes];
+    const core::CudaDriver* drv = core::cuda_driver(&err);
+    EXPECT(drv && core::cuda_device_uuid(*drv, device, uuid, &err) == BB_OK, "%s", err.c_str());
+    visible = core::cuda_uuid_string(uuid);
+  }
+  EXPECT(start_task(&task, visible), "could not start the task process");
 
   for (uint32_t round = 0; round < 3; ++round) {
     const uint64_t size = (uint64_t{round} + 1) * (24ull << 20) + 4 * round;

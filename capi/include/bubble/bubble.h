@@ -548,7 +548,9 @@ typedef struct bb_grant_info_t {
   uint64_t address;     /* the trainer's own address of it: a host pointer for host, a device
                            pointer (CUdeviceptr) for the CUDA backends. The task may leave at
                            any moment, which releases the grant: a host range then reads zeros
-                           (never faults); a CUDA range is unmapped */
+                           (never faults, but takes no writes); a cuda-vmm range is unmapped; a
+                           cuda-ipc range is the trainer's own memory, cleared before its next
+                           grant */
   uint64_t deadline_ns; /* REVOKING: when the task will be killed */
 } bb_grant_info_t;
 
