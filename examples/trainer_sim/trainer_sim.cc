@@ -32,7 +32,7 @@ constexpr const char* kUsage =
     "                   [--stage S] [--chunks V] [--wgrad-ms W] [--comm-ms C]\n"
     "                   [--free-mem-mib N] [--activation-share A]\n"
     "                   [--predict] [--declare] [--duration-s T] [--iterations N]\n"
-    "                   [--progress-s K] [--json]\n"
+    "                   [--progress-s K] [--json] [--lend BACKEND:MIB[:DEVICE]]\n"
     "\n"
     "Plays one stage of a P-stage pipeline and reports its bubbles to libbubble.\n"
     "No GPU is used: the program sleeps where a GPU would compute, on absolute deadlines,\n"
@@ -61,7 +61,10 @@ constexpr const char* kUsage =
     "  --iterations N      stop after N iterations\n"
     "                      (neither: run until SIGINT or SIGTERM)\n"
     "  --progress-s K      a progress line on stderr every K seconds (default 5, 0 = none)\n"
-    "  --json              end with one line 'SUMMARY {json}' on stdout\n";
+    "  --json              end with one line 'SUMMARY {json}' on stdout\n"
+    "  --lend B:N[:D]      lend N MiB to side tasks with backend B (host, cuda-ipc or\n"
+    "                      cuda-vmm; CUDA ones on device D, default 0): each task that\n"
+    "                      asks for memory is granted it (bb_trainer_lend)\n";
 
 struct Flags {
   std::string job;
@@ -75,6 +78,10 @@ struct Flags {
   bool json = false;
   bool predict = false;
   bool declare = false;
+  // --lend: 0 = nothing lent.
+  uint32_t lend_backend = 0;
+  double lend_mib = 0;
+  long long lend_device = 0;
 };
 
 [[noreturn]] void die_usage(const std::string& msg) {
@@ -141,6 +148,20 @@ Flags parse_flags(int argc, char** argv) {
     else if (a == "--duration-s") f.duration_s = parse_num(flag, v, 0.001, 1e9, "seconds");
     else if (a == "--iterations") f.iterations = parse_int(flag, v, 1, 1ll << 62);
     else if (a == "--progress-s") f.progress_s = parse_num(flag, v, 0, 1e9, "seconds");
+    else if (a == "--lend") {
+      const std::string spec = v;
+      const size_t c1 = spec.find(':');
+      const size_t c2 = c1 == std::string::npos ? c1 : spec.find(':', c1 + 1);
+      const std::string b = spec.substr(0, c1);
+      f.lend_backend = b == "host" ? BB_GRANT_HOST : b == "cuda-ipc" ? BB_GRANT_CUDA_IPC
+                       : b == "cuda-vmm" ? BB_GRANT_CUDA_VMM : 0;
+      if (c1 == std::string::npos || f.lend_backend == 0)
+        die_usage("--lend needs BACKEND:MIB[:DEVICE] with BACKEND host, cuda-ipc or cuda-vmm, "
+                  "got '" + spec + "'");
+      f.lend_mib = parse_num(flag, spec.substr(c1 + 1, c2 - c1 - 1).c_str(), 0.004, 1e7, "MiB");
+      if (c2 != std::string::npos)
+        f.lend_device = parse_int(flag, spec.substr(c2 + 1).c_str(), 0, 1023);
+    }
     else die_usage("unknown flag '" + std::string(a) + "'");
   }
   if (f.job.empty()) die_usage("--job is required");
@@ -294,6 +315,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "trainer_sim: cannot open hub (%s, %lld): %s\n", flags.job.c_str(),
                  flags.rank, bb_last_error());
     return 1;
+  }
+
+  if (flags.lend_backend != 0) {
+    bb_lend_options_t lo;
+    bb_lend_options_init(&lo);
+    lo.backend = flags.lend_backend;
+    lo.bytes = static_cast<uint64_t>(flags.lend_mib * 1048576.0);
+    lo.device = static_cast<int32_t>(flags.lend_device);
+    if (bb_trainer_lend(run.trainer, &lo) != BB_OK) {
+      std::fprintf(stderr, "trainer_sim: cannot lend memory: %s\n", bb_last_error());
+      bb_trainer_close(run.trainer);
+      return 1;
+    }
   }
 
   if (flags.declare) {

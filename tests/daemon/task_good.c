@@ -3,7 +3,8 @@
  * iterative runtime (which acks every pause), and exits 0.
  * usage: task_good [STEPS [STEP_US [LINGER_S]]]   (STEPS 0 = run until stopped; LINGER_S: stay
  * alive that many seconds after detaching, as a process that goes on without its hub). SIGUSR1
- * ends its run at the next step, as if its work were done. */
+ * ends its run at the next step, as if its work were done. It prints each grant its steps are
+ * given (BUBBLE_MEM_NEED asks for one). */
 #include <bubble/bubble.h>
 
 #include <signal.h>
@@ -23,7 +24,13 @@ static void on_usr1(int sig) {
 
 static int step(void *user, const bb_step_info_t *info) {
   (void)user;
-  (void)info;
+  static uint64_t shown;
+  if (info->grant_id != 0 && info->grant_id != shown) {  /* what it was lent, once per grant */
+    shown = info->grant_id;
+    printf("grant %llu: %llu bytes\n", (unsigned long long)info->grant_id,
+           (unsigned long long)info->grant_bytes);
+    fflush(stdout);
+  }
   uint64_t end = bb_now_ns() + g_step_ns;
   while (bb_now_ns() < end) {
   }

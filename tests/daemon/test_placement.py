@@ -1,5 +1,9 @@
 """Placement by memory fit, priority and fairness across several hubs; queueing when nothing
 fits; re-placement when a hub goes away; drain."""
+import os
+
+import pytest
+
 from conftest import TASK_GOOD, wait_until
 
 MiB = 1 << 20
@@ -81,3 +85,25 @@ def test_drain_moves_tasks_off_a_hub(env):
                    and t["state"] == "running" and t)
     assert t["attempts"] == 2
     assert [h for h in env.status()["hubs"] if h["name"] == first][0]["draining"]
+
+
+@pytest.mark.parametrize("backend", ["cuda-vmm", "cuda-ipc"])
+def test_a_task_on_a_trainers_second_gpu_maps_the_cuda_memory_it_is_lent(env, backend):
+    """The agent launches a task with CUDA_VISIBLE_DEVICES set to its hub's GPU alone, so the
+    trainer's device 1 is the task's device 0. The grant names its GPU by UUID, and the task
+    maps it there and runs (a grant that named device 1 failed to map, and a task that needs
+    memory never started). The CUDA driver is the test double, with two GPUs."""
+    double = os.environ.get("CUDA_DOUBLE", "")
+    if not double:
+        pytest.skip("CUDA_DOUBLE (the driver double's path) is not set")
+    env.env.update(BUBBLE_CUDA_DRIVER=double, BUBBLE_CUDA_DOUBLE_DEVICES="2")
+    env.env.pop("CUDA_VISIBLE_DEVICES", None)
+    env.trainer("j", 1, extra=("--lend", f"{backend}:16:1"))
+    env.start_agent()
+    hubs_reported(env, ["j:1"])
+    tid = env.submit(TASK_GOOD, "20", opts=("--mem", "1M", "--hub", "j:1"))
+    t = env.wait_state(tid, ("finished", "failed"))
+    out = env.ctl("logs", str(tid)).stdout
+    assert t["state"] == "finished", (t, out, env.ctl("logs", str(tid), "--stderr").stdout)
+    assert "grant 1: 1048576 bytes" in out, out
+    assert "done: BB_OK after 20 steps" in out, out
