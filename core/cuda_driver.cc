@@ -235,6 +235,14 @@ bb_status cuda_device_by_uuid(const CudaDriver& drv, const uint8_t uuid[kCudaUui
   return BB_E_UNSUPPORTED;
 }
 
+bb_status CudaPrimaryContext::retain_by_uuid(const CudaDriver& drv,
+                                             const uint8_t uuid[kCudaUuidBytes],
+                                             std::string* error) {
+  int device = -1;
+  const bb_status st = cuda_device_by_uuid(drv, uuid, &device, error);
+  return st != BB_OK ? st : retain(drv, device, error);
+}
+
 void CudaPrimaryContext::reset() {
   if (ctx_ && drv_) drv_->DevicePrimaryCtxRelease(dev_);
   ctx_ = nullptr;

@@ -150,6 +150,10 @@ class CudaPrimaryContext {
 
   // Checks the ordinal, retains the context. *error explains a failure.
   bb_status retain(const CudaDriver& drv, int device, std::string* error);
+  // The same for the GPU with that UUID, whatever this process's ordinal of it
+  // (cuda_device_by_uuid).
+  bb_status retain_by_uuid(const CudaDriver& drv, const uint8_t uuid[kCudaUuidBytes],
+                           std::string* error);
   void reset();
   CUcontext get() const { return ctx_; }
   CUdevice device() const { return dev_; }

@@ -162,10 +162,8 @@ class IpcMapping final : public GrantMapping {
 
   bb_status open(const Grant& g, std::string* error) {
     // The trainer's GPU by its UUID: this process may number it otherwise.
-    int device = -1;
-    bb_status st = cuda_device_by_uuid(drv_, g.handle.device_uuid, &device, error);
+    bb_status st = ctx_.retain_by_uuid(drv_, g.handle.device_uuid, error);
     if (st != BB_OK) return st;
-    if ((st = ctx_.retain(drv_, device, error)) != BB_OK) return st;
     CudaContextScope scope(drv_, ctx_.get());
     CUipcMemHandle h;
     std::memcpy(&h, g.handle.ipc, kIpcHandleBytes);

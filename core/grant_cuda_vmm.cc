@@ -180,8 +180,10 @@ class VmmExporter final : public GrantExporter {
 
   void descriptor_sent(uint64_t offset, GrantHandle* h) override {
     auto it = live_.find(offset);
-    if (it != live_.end() && it->second.fd >= 0) close(it->second.fd);
-    if (it != live_.end()) it->second.fd = -1;
+    if (it != live_.end() && it->second.fd >= 0) {
+      close(it->second.fd);
+      it->second.fd = -1;
+    }
     h->fd = -1;
   }
 
@@ -250,10 +252,8 @@ class VmmMapping final : public GrantMapping {
       return BB_E_INVALID;
     }
     // The trainer's GPU by its UUID: this process may number it otherwise.
-    int device = -1;
-    bb_status st = cuda_device_by_uuid(drv_, g.handle.device_uuid, &device, error);
+    bb_status st = ctx_.retain_by_uuid(drv_, g.handle.device_uuid, error);
     if (st != BB_OK) return st;
-    if ((st = ctx_.retain(drv_, device, error)) != BB_OK) return st;
     CudaContextScope scope(drv_, ctx_.get());
     uint64_t gran = 0;
     if ((st = vmm_granularity(drv_, ctx_.device(), &gran, error)) != BB_OK) return st;

@@ -6,10 +6,11 @@
  * (4 ms, every 12 ms) on a thread, so the rogue task runs inside its trainer's process, as the
  * C ABI allows: an agent must never signal that process. With --own-trainer JOB the hub it
  * opens is JOB.BUBBLE_RANK, and the task attaches to another trainer's hub: its process is still
- * a trainer's; it attaches once the file $ROGUE_GO exists, if that is set (the test first lets
- * the agent see the hub it opened). */
+ * a trainer's. With $ROGUE_GO set (a FIFO) it attaches once something opens that FIFO for
+ * writing: the test first lets the agent see the hub it opened. */
 #include <bubble/bubble.h>
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,9 +45,10 @@ int main(int argc, char** argv) {
     printf("trainer open (pid %d)\n", (int)getpid());
     fflush(stdout);
     const char* go = getenv("ROGUE_GO");
-    for (int i = 0; go && access(go, F_OK) != 0; ++i) {
-      if (i == 6000) return 4;  // a minute
-      usleep(10000);
+    if (go) {
+      const int fd = open(go, O_RDONLY);  // returns once a writer opens it
+      if (fd < 0) return 4;
+      close(fd);
     }
   }
   bb_task_h task;

@@ -122,6 +122,14 @@ def test_an_agent_that_stops_continues_the_tasks_it_had_stopped(env):
     assert any("the agent is stopping" in a for a in _actions_of(env, tid))
 
 
+def _open_writer(fifo):
+    """A descriptor writing to fifo once a reader has it open, else None."""
+    try:
+        return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+
+
 @pytest.mark.parametrize("hub", ["its own", "another trainer's"])
 def test_a_task_inside_a_trainers_process_is_never_signalled(env, hub):
     """The C ABI lets a trainer run a side task on one of its own threads; that task's pid is
@@ -130,6 +138,7 @@ def test_a_task_inside_a_trainers_process_is_never_signalled(env, hub):
     holds as well when the task attached to another trainer's hub than its process's."""
     env.start_agent("--grace-ms", "20", "--kill-after", "2")
     go = os.path.join(env.root, "go")
+    os.mkfifo(go, 0o600)
     if hub == "its own":
         name, argv = "own:0", [TASK_ROGUE, "--own-trainer"]
     else:
@@ -142,7 +151,8 @@ def test_a_task_inside_a_trainers_process_is_never_signalled(env, hub):
     # its first violation could come first, and the agent would have had no trainer to spare.
     wait_until("the agent to see the rogue's own hub",
                lambda: (h := env.hub("own:0")) and h["alive"] and h["trainer_pid"] == both.pid)
-    open(go, "w").close()
+    # Opening the FIFO lets the rogue's open return (without blocking here should it be gone).
+    os.close(wait_until("the rogue to wait on its FIFO", lambda: _open_writer(go)))
     unenforced = wait_until(
         "the violation recorded",
         lambda: [a for a in env.ctl("actions").stdout.splitlines()[1:] if a.split()[4:5] == ["unenforced"]])
