@@ -397,6 +397,13 @@ bb_status bb_trainer_task_grant(bb_trainer_h trainer, uint64_t task_id, bb_grant
   return write_out(info, out, "out");
 }
 
+bb_status bb_trainer_read_grant(bb_trainer_h trainer, uint64_t grant_id, uint64_t offset,
+                                void* dst, uint64_t bytes) {
+  if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
+  if (!dst) return fail(BB_E_INVALID, "dst is NULL: pass the buffer to copy the grant's bytes to");
+  BB_GUARD(return impl(trainer)->read_grant(grant_id, offset, dst, bytes));
+}
+
 bb_status bb_trainer_grant_stats(bb_trainer_h trainer, bb_grant_stats_t* out) {
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
   bb_grant_stats_t s{};

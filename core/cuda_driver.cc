@@ -146,29 +146,59 @@ CudaContextScope::~CudaContextScope() {
   if (restore_) drv_.CtxSetCurrent(prev_);
 }
 
-bb_status CudaClearer::clear(CUdeviceptr ptr, uint64_t bytes, std::string* error) {
-  CUresult rc;
-  if (!stream_ && (rc = drv_.StreamCreate(&stream_, CU_STREAM_NON_BLOCKING)) != CUDA_SUCCESS) {
-    stream_ = nullptr;
-    *error = drv_.describe("cuStreamCreate of the stream that clears grants", rc);
-    return cuda_status(rc);
-  }
-  const char* what = "cuMemsetD8Async clearing a grant";
-  rc = drv_.MemsetD8Async(ptr, 0, bytes, stream_);
-  if (rc == CUDA_SUCCESS) {
-    what = "cuStreamSynchronize waiting for a grant to be cleared";
-    rc = drv_.StreamSynchronize(stream_);
-  }
-  if (rc != CUDA_SUCCESS) {
-    *error = drv_.describe(what, rc) + ": the grant was not made";
-    // Whatever the stream still holds is abandoned with it; the next grant gets a clean one.
-    reset();
-    return cuda_status(rc);
-  }
-  return BB_OK;
+bb_status CudaPrivateStream::ensure(std::string* error) {
+  if (stream_) return BB_OK;
+  const CUresult rc = drv_.StreamCreate(&stream_, CU_STREAM_NON_BLOCKING);
+  if (rc == CUDA_SUCCESS) return BB_OK;
+  stream_ = nullptr;
+  *error = drv_.describe("cuStreamCreate of the lender's stream", rc);
+  return cuda_status(rc);
 }
 
-void CudaClearer::reset() {
+bb_status CudaPrivateStream::finish(const char* what, CUresult rc, const char* wait,
+                                    const char* outcome, std::string* error) {
+  if (rc == CUDA_SUCCESS) {
+    what = wait;
+    rc = drv_.StreamSynchronize(stream_);
+  }
+  if (rc == CUDA_SUCCESS) return BB_OK;
+  *error = drv_.describe(what, rc) + outcome;
+  // Whatever the stream still holds is abandoned with it; the next call gets a clean one.
+  reset();
+  return cuda_status(rc);
+}
+
+bb_status CudaPrivateStream::clear(CUdeviceptr ptr, uint64_t bytes, std::string* error) {
+  if (const bb_status st = ensure(error); st != BB_OK) return st;
+  return finish("cuMemsetD8Async clearing a grant", drv_.MemsetD8Async(ptr, 0, bytes, stream_),
+                "cuStreamSynchronize waiting for a grant to be cleared", ": the grant was not made",
+                error);
+}
+
+bb_status CudaPrivateStream::copy(CUdeviceptr dst, CUdeviceptr src, uint64_t bytes,
+                                  std::string* error) {
+  if (const bb_status st = ensure(error); st != BB_OK) return st;
+  return finish("cuMemcpyAsync copying a grant out", drv_.MemcpyAsync(dst, src, bytes, stream_),
+                "cuStreamSynchronize waiting for a grant to be copied out",
+                ": the copy may be incomplete", error);
+}
+
+bb_status CudaPrivateStream::copy_out(CUcontext ctx, CUdeviceptr base, uint64_t capacity,
+                                      uint64_t offset, void* dst, uint64_t bytes,
+                                      std::string* error) {
+  if (bytes == 0 || offset > capacity || bytes > capacity - offset) {
+    *error = "the range to copy lies outside the lent range";
+    return BB_E_INVALID;
+  }
+  CudaContextScope scope(drv_, ctx);
+  if (scope.status() != BB_OK) {
+    *error = "could not make the GPU's primary context current to copy a grant out";
+    return scope.status();
+  }
+  return copy(reinterpret_cast<CUdeviceptr>(dst), base + offset, bytes, error);
+}
+
+void CudaPrivateStream::reset() {
   if (stream_) drv_.StreamDestroy(stream_);
   stream_ = nullptr;
 }

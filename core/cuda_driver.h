@@ -55,6 +55,7 @@ struct CudaDriver {
   X(StreamCreate, cuStreamCreate, "cuStreamCreate")                      \
   X(StreamDestroy, cuStreamDestroy, "cuStreamDestroy_v2")                \
   X(MemsetD8Async, cuMemsetD8Async, "cuMemsetD8Async")                   \
+  X(MemcpyAsync, cuMemcpyAsync, "cuMemcpyAsync")                         \
   X(StreamSynchronize, cuStreamSynchronize, "cuStreamSynchronize")
 
 #define BB_CUDA_DRIVER_MEMBER_(member, fn, versioned) decltype(&::fn) member = nullptr;
@@ -106,24 +107,36 @@ class CudaContextScope {
   bool restore_ = false;
 };
 
-// Zeroes device memory before it is lent again. The memset runs on a private non-blocking
+// The lender's own stream: zeroes device memory before it is lent again, and copies a grant's
+// bytes out for the trainer (bb_trainer_read_grant). The work runs on a private non-blocking
 // stream and only that stream is waited for: the trainer's own kernels on the same context are
 // never synchronised with (no cuCtxSynchronize, no legacy default stream). The stream is created
 // on first use; use and reset() it with its context current (CudaContextScope).
-class CudaClearer {
+class CudaPrivateStream {
  public:
-  explicit CudaClearer(const CudaDriver& drv) : drv_(drv) {}
-  ~CudaClearer() { reset(); }
-  CudaClearer(const CudaClearer&) = delete;
-  CudaClearer& operator=(const CudaClearer&) = delete;
+  explicit CudaPrivateStream(const CudaDriver& drv) : drv_(drv) {}
+  ~CudaPrivateStream() { reset(); }
+  CudaPrivateStream(const CudaPrivateStream&) = delete;
+  CudaPrivateStream& operator=(const CudaPrivateStream&) = delete;
 
   // Sets [ptr, ptr + bytes) to zero and returns once the device has done it. On failure *error
   // names the driver call; the stream is dropped (a later call starts a fresh one).
   bb_status clear(CUdeviceptr ptr, uint64_t bytes, std::string* error);
+  // Copies bytes from src to dst (each device memory of this context or host memory: unified
+  // addressing tells them apart) and returns once the copy is done. Failures as for clear().
+  bb_status copy(CUdeviceptr dst, CUdeviceptr src, uint64_t bytes, std::string* error);
+  // GrantExporter::read for a lent range [base, base + capacity) of ctx's GPU: copies
+  // [offset, offset + bytes) of it to dst with ctx current.
+  bb_status copy_out(CUcontext ctx, CUdeviceptr base, uint64_t capacity, uint64_t offset,
+                     void* dst, uint64_t bytes, std::string* error);
   // Destroys the stream, if any.
   void reset();
 
  private:
+  bb_status ensure(std::string* error);
+  bb_status finish(const char* what, CUresult rc, const char* wait, const char* outcome,
+                   std::string* error);
+
   const CudaDriver& drv_;
   CUstream stream_ = nullptr;
 };

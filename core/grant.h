@@ -96,6 +96,11 @@ class GrantExporter {
   // The exporter's own address of offset in the lent range: a host pointer for host, a device
   // pointer (CUdeviceptr) for CUDA backends. The trainer may read what a task wrote there.
   virtual uint64_t address(uint64_t offset) const = 0;
+  // Copies [offset, offset + bytes) of the lent range, which a live grant holds, to dst: host
+  // memory for host; host memory or device memory of the lender's GPU for CUDA backends. Returns
+  // once the copy is done. The lender calls it under its lock, so no release unmaps the range
+  // meanwhile.
+  virtual bb_status read(uint64_t offset, void* dst, uint64_t bytes, std::string* error) = 0;
 };
 
 // bytes of host memory (rounded down to pages).

@@ -19,11 +19,11 @@ namespace {
 
 class IpcExporter final : public GrantExporter {
  public:
-  IpcExporter(const CudaDriver& drv, bool clear) : drv_(drv), clearer_(drv), clear_(clear) {}
+  IpcExporter(const CudaDriver& drv, bool clear) : drv_(drv), stream_(drv), clear_(clear) {}
   ~IpcExporter() override {
     if (!ctx_.get()) return;
     CudaContextScope scope(drv_, ctx_.get());
-    clearer_.reset();
+    stream_.reset();
     if (owned_) drv_.MemFree(owned_);
   }
 
@@ -106,6 +106,9 @@ class IpcExporter final : public GrantExporter {
   uint64_t capacity() const override { return capacity_; }
   uint64_t alignment() const override { return align_; }
   uint64_t address(uint64_t offset) const override { return ptr_ + offset; }
+  bb_status read(uint64_t offset, void* dst, uint64_t bytes, std::string* error) override {
+    return stream_.copy_out(ctx_.get(), ptr_, capacity_, offset, dst, bytes, error);
+  }
 
   bb_status create(uint64_t offset, uint64_t size, GrantHandle* h, std::string* error) override {
     if (size == 0 || offset > capacity_ || size > capacity_ - offset) {
@@ -119,7 +122,7 @@ class IpcExporter final : public GrantExporter {
         *error = "could not make the GPU's primary context current to clear a cuda-ipc grant";
         return scope.status();
       }
-      bb_status st = clearer_.clear(ptr_ + offset, size, error);
+      bb_status st = stream_.clear(ptr_ + offset, size, error);
       if (st != BB_OK) return st;
     }
     *h = GrantHandle{};
@@ -140,7 +143,7 @@ class IpcExporter final : public GrantExporter {
  private:
   const CudaDriver& drv_;
   CudaPrimaryContext ctx_;
-  CudaClearer clearer_;
+  CudaPrivateStream stream_;
   bool clear_ = true;
   int device_ = 0;
   uint8_t uuid_[kCudaUuidBytes] = {};

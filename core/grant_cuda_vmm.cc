@@ -71,12 +71,12 @@ bb_status vmm_granularity(const CudaDriver& drv, CUdevice dev, uint64_t* gran,
 
 class VmmExporter final : public GrantExporter {
  public:
-  VmmExporter(const CudaDriver& drv, bool clear) : drv_(drv), clearer_(drv), clear_(clear) {}
+  VmmExporter(const CudaDriver& drv, bool clear) : drv_(drv), stream_(drv), clear_(clear) {}
   ~VmmExporter() override {
     // The lender destroys its grants first; anything left here is torn down the same way.
     if (!ctx_.get()) return;
     CudaContextScope scope(drv_, ctx_.get());
-    clearer_.reset();
+    stream_.reset();
     for (auto& [offset, g] : live_) {
       std::string ignored;
       destroy_one(offset, g, &ignored);
@@ -113,6 +113,9 @@ class VmmExporter final : public GrantExporter {
   uint64_t capacity() const override { return capacity_; }
   uint64_t alignment() const override { return gran_; }
   uint64_t address(uint64_t offset) const override { return base_ + offset; }
+  bb_status read(uint64_t offset, void* dst, uint64_t bytes, std::string* error) override {
+    return stream_.copy_out(ctx_.get(), base_, capacity_, offset, dst, bytes, error);
+  }
 
   bb_status create(uint64_t offset, uint64_t size, GrantHandle* h, std::string* error) override {
     if (size == 0 || ((offset | size) & (gran_ - 1)) || offset > capacity_ ||
@@ -152,7 +155,7 @@ class VmmExporter final : public GrantExporter {
       return fail("cuMemSetAccess on a grant", rc);
     // Cleared before it is exported: no descriptor to uncleared memory ever exists.
     if (clear_) {
-      const bb_status st = clearer_.clear(base_ + offset, size, error);
+      const bb_status st = stream_.clear(base_ + offset, size, error);
       if (st != BB_OK) {
         undo();
         return st;
@@ -228,7 +231,7 @@ class VmmExporter final : public GrantExporter {
 
   const CudaDriver& drv_;
   CudaPrimaryContext ctx_;
-  CudaClearer clearer_;
+  CudaPrivateStream stream_;
   bool clear_ = true;
   int device_ = 0;
   uint8_t uuid_[kCudaUuidBytes] = {};

@@ -60,6 +60,15 @@ class HostExporter final : public GrantExporter {
   uint64_t address(uint64_t offset) const override {
     return reinterpret_cast<uint64_t>(base_) + offset;
   }
+  bb_status read(uint64_t offset, void* dst, uint64_t bytes, std::string* error) override {
+    if (bytes == 0 || offset > capacity_ || bytes > capacity_ - offset) {
+      *error = "the range to copy lies outside the lent range";
+      return BB_E_INVALID;
+    }
+    // The grant's memfd is sealed against shrinking, so its pages stay for the copy.
+    std::memcpy(dst, static_cast<const char*>(base_) + offset, bytes);
+    return BB_OK;
+  }
 
   bb_status create(uint64_t offset, uint64_t size, GrantHandle* h, std::string* error) override {
     if (!range_ok(offset, size, error)) return BB_E_INVALID;

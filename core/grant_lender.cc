@@ -216,6 +216,28 @@ uint64_t GrantLender::address(uint64_t grant_id) const {
   return r ? exporter_->address(r->grant.offset) : 0;
 }
 
+bb_status GrantLender::read(uint64_t grant_id, uint64_t offset, void* dst, uint64_t bytes,
+                           std::string* error) {
+  std::lock_guard<std::mutex> lock(mu_);
+  const Record* r = find_locked(grant_id);
+  if (!r || r->state == GrantState::kQuarantined) {
+    *error = "grant " + std::to_string(grant_id) + (r ? " could not be given back (quarantined)"
+                                                       : " is not live") +
+             ": its task gave it back, left or died, and its memory went with it; read a "
+             "task's results while it holds its grant (the id from bb_trainer_task_grant)";
+    return BB_E_NOT_FOUND;
+  }
+  if (offset > r->grant.size || bytes > r->grant.size - offset) {
+    *error = "bytes [" + std::to_string(offset) + ", +" + std::to_string(bytes) +
+             ") lie outside grant " + std::to_string(grant_id) + ", which has " +
+             std::to_string(r->grant.size) + " bytes";
+    return BB_E_INVALID;
+  }
+  if (bytes == 0) return BB_OK;
+  // Under the lock, so that no release() unmaps the range while the copy runs.
+  return exporter_->read(r->grant.offset + offset, dst, bytes, error);
+}
+
 uint64_t GrantLender::next_id() const {
   std::lock_guard<std::mutex> lock(mu_);
   return next_id_;

@@ -103,6 +103,12 @@ class GrantLender {
                  uint64_t* owner = nullptr) const;
   // The trainer's own address of a grant (host pointer or CUdeviceptr), 0 if none.
   uint64_t address(uint64_t grant_id) const;
+  // Copies bytes of a live (ACTIVE or REVOKING) grant, from offset into it, to dst (see
+  // GrantExporter::read). Holds the lock for the copy, so the grant cannot be released (and its
+  // range unmapped) under it: the task dying meanwhile is released after the copy.
+  // BB_E_NOT_FOUND when the grant is not live, BB_E_INVALID when the range is outside it.
+  bb_status read(uint64_t grant_id, uint64_t offset, void* dst, uint64_t bytes,
+                 std::string* error);
 
   LenderStats stats() const;
   GrantBackend backend() const { return backend_; }

@@ -1352,6 +1352,17 @@ bb_status Trainer::task_grant(uint64_t task_id, bb_grant_info_t* out) {
   return submit(&r);
 }
 
+bb_status Trainer::read_grant(uint64_t grant_id, uint64_t offset, void* dst, uint64_t bytes) {
+  std::unique_lock<std::mutex> readers(lender_read_mu_);  // unlend() frees the lender
+  GrantLender* l = lender_.load(std::memory_order_acquire);
+  if (!l) return fail(BB_E_STATE, "no memory is lent: there is no grant to read");
+  std::string err;
+  if (const bb_status st = l->read(grant_id, offset, dst, bytes, &err); st != BB_OK)
+    return fail_msg(st, err);
+  clear_error();
+  return BB_OK;
+}
+
 void Trainer::grant_stats(bb_grant_stats_t* out) {
   std::unique_lock<std::mutex> readers(lender_read_mu_);  // unlend() frees the lender
   if (const GrantLender* l = lender_.load(std::memory_order_acquire)) {

@@ -57,6 +57,9 @@ class Trainer {
   bb_status grant(uint64_t task_id, uint64_t bytes, uint64_t* grant_id);
   bb_status revoke(uint64_t task_id, uint64_t deadline_ns);
   bb_status task_grant(uint64_t task_id, bb_grant_info_t* out);
+  // Copies a live grant's bytes out on the caller's thread, under the lender's lock: a task
+  // that leaves or dies meanwhile has its grant released after the copy, never under it.
+  bb_status read_grant(uint64_t grant_id, uint64_t offset, void* dst, uint64_t bytes);
   void grant_stats(bb_grant_stats_t* out);
 
   struct Slot;

@@ -212,6 +212,30 @@ func (t *Trainer) TaskGrant(taskID uint64) (*GrantInfo, error) {
 		owner: t}, nil
 }
 
+// ReadGrant copies len(dst) bytes of grant grantID, from offset into it, to dst: the safe way to
+// read what a task wrote. The task may leave or die at any moment, which releases the grant, but
+// never during the copy (the release waits for it). ErrNotFound once the grant is no longer live,
+// ErrInvalid when the range is not inside the grant's bytes. The hub's grants and releases wait
+// for the copy: copy what you need.
+func (t *Trainer) ReadGrant(grantID, offset uint64, dst []byte) error {
+	h, done, err := t.acquire()
+	if err != nil {
+		return err
+	}
+	defer done()
+	var none byte
+	p := unsafe.Pointer(&none) // C refuses NULL; an empty copy still checks the grant is live
+	if len(dst) > 0 {
+		p = unsafe.Pointer(&dst[0])
+	}
+	err = call(func() C.bb_status {
+		return C.bb_trainer_read_grant(h, C.uint64_t(grantID), C.uint64_t(offset), p, C.uint64_t(len(dst)))
+	})
+	runtime.KeepAlive(t)
+	runtime.KeepAlive(dst)
+	return err
+}
+
 // GrantStats returns the lender's counts.
 func (t *Trainer) GrantStats() (GrantStats, error) {
 	h, done, err := t.acquire()

@@ -1,10 +1,12 @@
 package bubble
 
 import (
+	"bytes"
 	"encoding/binary"
 	"errors"
 	"fmt"
 	"runtime"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -162,6 +164,19 @@ func TestHostGrantWrittenByTaskIsReadByTrainerThenRevokedAndAcked(t *testing.T) 
 	if !patternOK(g.HostMemory(), 7) {
 		t.Fatal("the trainer does not see the task's pattern")
 	}
+	// ... or copies it out, which a release waits for.
+	copied := make([]byte, grantBytes)
+	if err := tr.ReadGrant(g.ID, 0, copied); err != nil || !patternOK(copied, 7) {
+		t.Fatalf("ReadGrant: %v (pattern %v)", err, patternOK(copied, 7))
+	}
+	part := make([]byte, 8)
+	if err := tr.ReadGrant(g.ID, 16, part); err != nil || !bytes.Equal(part, copied[16:24]) {
+		t.Fatalf("ReadGrant at 16: %v", err)
+	}
+	if err := tr.ReadGrant(g.ID, grantBytes-4, part); !errors.Is(err, ErrInvalid) ||
+		!strings.Contains(err.Error(), "outside grant") {
+		t.Fatalf("ReadGrant past the grant: want ErrInvalid, got %v", err)
+	}
 	if s := grantStats(t, tr); s.Backend != GrantHost || s.Capacity != 1<<20 || s.Active != 1 ||
 		s.GrantedBytes != grantBytes || s.GrantsMade != 1 {
 		t.Fatalf("stats %+v", s)
@@ -180,6 +195,9 @@ func TestHostGrantWrittenByTaskIsReadByTrainerThenRevokedAndAcked(t *testing.T) 
 	eventually(t, "the task's word on its ack", func() bool { return acked.Load() == g.ID })
 	if now, err := tr.TaskGrant(id); now != nil || err != nil {
 		t.Fatalf("after the ack: %+v %v", now, err)
+	}
+	if err := tr.ReadGrant(g.ID, 0, part); !errors.Is(err, ErrNotFound) {
+		t.Fatalf("ReadGrant of a grant given back: want ErrNotFound, got %v", err)
 	}
 	if s := grantStats(t, tr); s.Revokes != 1 || s.TasksKilled != 0 || s.Active != 0 || s.GrantedBytes != 0 ||
 		s.FreeBytes != s.Capacity {

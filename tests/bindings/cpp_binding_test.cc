@@ -547,6 +547,17 @@ TEST_CASE("host grant: the task writes it, the trainer reads it back, revoke is 
   CHECK(g->mapped);
   // The trainer reads what the task wrote at its own address of the grant.
   CHECK(pattern_ok(g->host_data<uint32_t>(), g->bytes, 7));
+  // ... or copies it out, which a release waits for.
+  std::vector<uint32_t> copy(g->bytes / 4);
+  t.read_grant(g->id, 0, copy.data(), g->bytes);
+  CHECK(pattern_ok(copy.data(), g->bytes, 7));
+  try {
+    t.read_grant(g->id, g->bytes - 4, copy.data(), 8);
+    FAIL("a read past the grant's end was not refused");
+  } catch (const bubble::error& e) {
+    CHECK(e.code() == bubble::status::E_INVALID);
+    CHECK(e.message().find("outside grant") != std::string::npos);
+  }
   auto s = t.grants();
   CHECK(s.backend == BB_GRANT_HOST);
   CHECK(s.capacity == (1u << 20));
@@ -561,6 +572,12 @@ TEST_CASE("host grant: the task writes it, the trainer reads it back, revoke is 
   REQUIRE(eventually([&] { return t.grants().revokes_acked == 1; }));
   CHECK(eventually([&] { return acked == g->id; }));  // the task says so after its ack
   CHECK_FALSE(t.task_grant(id).has_value());
+  try {
+    t.read_grant(g->id, 0, copy.data(), 4);
+    FAIL("a grant given back was read");
+  } catch (const bubble::error& e) {
+    CHECK(e.code() == bubble::status::E_NOT_FOUND);
+  }
   s = t.grants();
   CHECK(s.revokes == 1);
   CHECK(s.tasks_killed == 0);

@@ -25,6 +25,7 @@
 #include <set>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 struct CUctx_st {
@@ -99,11 +100,16 @@ struct IpcOpen {
   int refs = 0;
   int gpu = 0;  // the physical GPU the memory is on
 };
-// A cuMemsetD8Async the "GPU" has not run yet: it happens at cuStreamSynchronize.
-struct PendingMemset {
+// A cuMemsetD8Async or cuMemcpyAsync the "GPU" has not run yet: it happens at
+// cuStreamSynchronize. A copy has a src; a memset has none.
+struct PendingWork {
   CUdeviceptr ptr = 0;
   size_t size = 0;
   unsigned char value = 0;
+  CUdeviceptr src = 0;
+  bool copy = false;
+  bool ptr_device = false;  // a copy's ends that are device memory (else host memory)
+  bool src_device = false;
 };
 struct Failure {
   std::string kind;
@@ -156,7 +162,7 @@ struct State {
   // Records not yet finished, per stream, in stream order: (event, its record number).
   std::map<CUstream, std::deque<std::pair<CUevent, uint64_t>>> pending;
   std::set<CUstream> streams;
-  std::map<CUstream, std::vector<PendingMemset>> memsets;
+  std::map<CUstream, std::vector<PendingWork>> work;
   // Streams a test says are being captured into a graph (in global mode), and how it stands.
   std::map<CUstream, CUstreamCaptureStatus> captures;
 
@@ -319,9 +325,15 @@ class Call {
   }
   bool need_init() { return !st().initialized; }
   bool need_ctx() { return current_ctx == nullptr; }
+  // The GPU runs work while the host goes on: other threads' calls may come in meanwhile.
+  void let_others_in() {
+    lock_.unlock();
+    std::this_thread::yield();
+    lock_.lock();
+  }
 
  private:
-  std::lock_guard<std::mutex> lock_;
+  std::unique_lock<std::mutex> lock_;
   std::string line_;
   CUresult rc_ = CUDA_SUCCESS;
 };
@@ -379,6 +391,15 @@ bool writable_device_range(CUdeviceptr p, size_t size) {
     pos = it->first + it->second.size;
   }
   return size > 0;
+}
+
+// [p, p + size) touches device address space: a cuMemAlloc allocation or a VMM reservation.
+bool device_address_space(CUdeviceptr p, size_t size) {
+  for (auto& [b, a] : st().allocs)
+    if (p < b + a.size && b < p + size) return true;
+  for (auto& [b, r] : st().reservations)
+    if (p < b + r.size && b < p + size) return true;
+  return false;
 }
 
 bool overlaps_mapping(CUdeviceptr p, size_t size) {
@@ -1131,7 +1152,7 @@ CUresult CUDAAPI cuIpcOpenEventHandle(CUevent* out, CUipcEventHandle handle) {
 
 }  // extern "C"
 
-// ---- streams and memsets ----------------------------------------------------------------------
+// ---- streams, memsets, copies -----------------------------------------------------------------
 
 namespace {
 
@@ -1139,18 +1160,41 @@ bool valid_stream(CUstream s) {
   return s == nullptr || (st().streams.count(s) && s->magic == kStreamMagic);
 }
 
-// The "GPU" reaches the end of a stream: its memsets land (in order) and its events complete.
+// The "GPU" reaches the end of a stream: its memsets and copies land (in order) and its events
+// complete.
 void run_stream(Call& c, CUstream s) {
-  auto m = st().memsets.find(s);
-  if (m != st().memsets.end()) {
-    for (const PendingMemset& p : m->second) {
-      if (!writable_device_range(p.ptr, p.size)) {
-        c.violation(CUDA_SUCCESS, "a memset ran on memory freed or unmapped before it ran");
+  auto m = st().work.find(s);
+  if (m != st().work.end()) {
+    std::vector<PendingWork> todo;
+    todo.swap(m->second);
+    st().work.erase(m);
+    for (const PendingWork& p : todo) {
+      if (!p.copy) {
+        // Device memory may have gone between the call and the "GPU" reaching it: a real GPU
+        // faults there, which is recorded, never done.
+        if (!writable_device_range(p.ptr, p.size)) {
+          c.violation(CUDA_SUCCESS, "a memset ran on memory freed or unmapped before it ran");
+          continue;
+        }
+        std::memset(reinterpret_cast<void*>(p.ptr), p.value, p.size);
         continue;
       }
-      std::memset(reinterpret_cast<void*>(p.ptr), p.value, p.size);
+      // A copy runs a piece at a time, with the other threads' calls (an unmap, say) in
+      // between, as on a GPU; every piece must find its device memory still mapped.
+      constexpr size_t kPiece = 64 * 1024;
+      for (size_t at = 0; at < p.size; at += kPiece) {
+        const size_t n = std::min(kPiece, p.size - at);
+        if ((p.ptr_device && !writable_device_range(p.ptr + at, n)) ||
+            (p.src_device && !writable_device_range(p.src + at, n))) {
+          c.violation(CUDA_SUCCESS, "a copy met device memory freed or unmapped before or "
+                      "while it ran");
+          break;
+        }
+        std::memmove(reinterpret_cast<void*>(p.ptr + at), reinterpret_cast<const void*>(p.src + at),
+                     n);
+        c.let_others_in();
+      }
     }
-    st().memsets.erase(m);
   }
   auto e = st().pending.find(s);
   if (e != st().pending.end()) {
@@ -1200,7 +1244,29 @@ CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr ptr, unsigned char value, size_t n,
     return c.violation(CUDA_ERROR_INVALID_VALUE,
                        "range is not writable device memory of this process");
   if (c.inject("memset")) return c.ret(CUDA_ERROR_LAUNCH_FAILED);
-  st().memsets[s].push_back(PendingMemset{ptr, n, value});
+  st().work[s].push_back(PendingWork{ptr, n, value});
+  return c.ret(CUDA_SUCCESS);
+}
+
+CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s) {
+  Call c("cuMemcpyAsync");
+  c.arg("dst", dst).arg("src", src).arg("size", n).arg("stream", reinterpret_cast<uintptr_t>(s));
+  if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
+  if (!valid_stream(s)) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live stream");
+  if (!dst || !src || n == 0) return c.violation(CUDA_ERROR_INVALID_VALUE, "null pointer or size");
+  // Unified addressing: an address in device address space must be mapped device memory of
+  // this process; any other is host memory.
+  PendingWork w{dst, n, 0, src, true};
+  for (auto [p, device] : {std::pair<CUdeviceptr, bool*>{dst, &w.ptr_device},
+                           std::pair<CUdeviceptr, bool*>{src, &w.src_device}}) {
+    *device = device_address_space(p, n);
+    if (*device && !writable_device_range(p, n))
+      return c.violation(CUDA_ERROR_INVALID_VALUE,
+                         "range is in device address space but not mapped device memory of this "
+                         "process");
+  }
+  if (c.inject("memcpy")) return c.ret(CUDA_ERROR_LAUNCH_FAILED);
+  st().work[s].push_back(w);
   return c.ret(CUDA_SUCCESS);
 }
 
@@ -1211,7 +1277,7 @@ CUresult CUDAAPI cuStreamSynchronize(CUstream s) {
   if (!valid_stream(s)) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live stream");
   if (c.inject("sync")) {
     // The work faulted: none of it is done.
-    st().memsets.erase(s);
+    st().work.erase(s);
     return c.ret(CUDA_ERROR_ILLEGAL_ADDRESS);
   }
   run_stream(c, s);
@@ -1249,7 +1315,7 @@ CUresult CUDAAPI cuGetProcAddress(const char* symbol, void** pfn, int version, c
       BBD_ENTRY_(cuStreamIsCapturing), BBD_ENTRY_(cuThreadExchangeStreamCaptureMode),
       BBD_ENTRY_(cuIpcGetEventHandle), BBD_ENTRY_(cuIpcOpenEventHandle),
       BBD_ENTRY_(cuStreamCreate), BBD_ENTRY_(cuStreamDestroy), BBD_ENTRY_(cuMemsetD8Async),
-      BBD_ENTRY_(cuStreamSynchronize),
+      BBD_ENTRY_(cuMemcpyAsync), BBD_ENTRY_(cuStreamSynchronize),
   };
 #undef BBD_ENTRY_
   if (!symbol || !pfn) return CUDA_ERROR_INVALID_VALUE;

@@ -13,6 +13,7 @@
  *                                   map (cuMemMap), access (cuMemSetAccess),
  *                                   reserve (cuMemAddressReserve), event (cuEventCreate),
  *                                   stream (cuStreamCreate), memset (cuMemsetD8Async),
+ *                                   memcpy (cuMemcpyAsync),
  *                                   sync (cuStreamSynchronize: the stream's queued work is
  *                                   dropped undone); export and import also cover
  *                                   cuIpcGet/OpenEventHandle.
@@ -30,9 +31,11 @@
  *   BUBBLE_CUDA_DOUBLE_FILL         the byte new cuMemAlloc/cuMemCreate memory holds (default
  *                                   0xa5): like the real driver, the double never zeroes it.
  *
- * cuMemsetD8Async only queues the memset on its stream; it lands when cuStreamSynchronize (or
- * cuStreamDestroy) of that stream lets "the GPU" reach it, so a caller that does not wait reads
- * the old bytes.
+ * cuMemsetD8Async and cuMemcpyAsync only queue their work on the stream; it lands when
+ * cuStreamSynchronize (or cuStreamDestroy) of that stream lets "the GPU" reach it, so a caller
+ * that does not wait reads the old bytes. An address inside a cuMemAlloc allocation or a VMM
+ * reservation is device memory (it must be mapped when the copy is queued and when it runs, or
+ * a violation is recorded); any other address is host memory.
  */
 #ifndef BUBBLE_TESTS_CUDA_DOUBLE_H
 #define BUBBLE_TESTS_CUDA_DOUBLE_H

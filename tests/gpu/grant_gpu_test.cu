@@ -17,6 +17,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -239,6 +240,22 @@ bool run_backend(core::GrantBackend backend, bool clear = true, int device = 0) 
     for (uint64_t i = 0; i < host.size(); ++i)
       EXPECT(host[i] == pattern_word(req.seed, i), "word %llu is %08x, expected %08x",
              static_cast<unsigned long long>(i), host[i], pattern_word(req.seed, i));
+    // The same bytes through the lender's copy (bb_trainer_read_grant), to host memory and to
+    // device memory of the same GPU.
+    std::vector<uint32_t> copied(size / 4);
+    st = lender->read(g.id, 0, copied.data(), size, &err);
+    EXPECT(st == BB_OK, "read to host: %s", err.c_str());
+    EXPECT(copied == host, "the lender's copy to host memory differs from the grant");
+    void* dev = nullptr;
+    EXPECT(cudaMalloc(&dev, size) == cudaSuccess, "cudaMalloc of %llu bytes failed",
+           static_cast<unsigned long long>(size));
+    st = lender->read(g.id, 0, dev, size, &err);
+    EXPECT(st == BB_OK, "read to device memory: %s", err.c_str());
+    std::fill(copied.begin(), copied.end(), 0u);
+    EXPECT(cudaMemcpy(copied.data(), dev, size, cudaMemcpyDeviceToHost) == cudaSuccess,
+           "cudaMemcpy of the copy failed");
+    EXPECT(copied == host, "the lender's copy to device memory differs from the grant");
+    cudaFree(dev);
 
     // Revocation: REVOKE with a deadline, the task unmaps and acks, then the memory goes back.
     st = lender->revoke(g.id, now_ns() + 5'000'000'000ull, &err);

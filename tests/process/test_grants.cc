@@ -303,6 +303,19 @@ TEST_CASE("killed_task_grant_is_reclaimed") {
     // (or leave) at any moment meanwhile.
     const bb_grant_info_t g = t.grant_of(t.task_id("victim"));
     REQUIRE(g.address != 0);
+    // The safe way to read them: a copy the release waits for.
+    std::vector<uint32_t> copy(g.bytes / 4);
+    REQUIRE(bb_trainer_read_grant(t.h, g.id, 0, copy.data(), g.bytes) == BB_OK);
+    CHECK(pattern_ok(reinterpret_cast<uint64_t>(copy.data()), g.bytes, 5));
+    REQUIRE(bb_trainer_read_grant(t.h, g.id, 400, copy.data(), 8) == BB_OK);
+    CHECK(copy[0] == pattern_word(5, 100));
+    CHECK(copy[1] == pattern_word(5, 101));
+    // Only the grant's own bytes: not past them (100000 of the 102400 page-rounded), nor a
+    // range whose end wraps.
+    CHECK(bb_trainer_read_grant(t.h, g.id, g.bytes - 4, copy.data(), 8) == BB_E_INVALID);
+    CHECK(std::string(bb_last_error()).find("outside grant") != std::string::npos);
+    CHECK(bb_trainer_read_grant(t.h, g.id, UINT64_MAX, copy.data(), 2) == BB_E_INVALID);
+    CHECK(bb_trainer_read_grant(t.h, g.id, g.bytes, copy.data(), 0) == BB_OK);
     task.signal(SIGKILL);
     CHECK(task.wait_exit() != -1);
     REQUIRE(eventually([&] { return t.grants().released_dead == 1; }));
@@ -315,6 +328,7 @@ TEST_CASE("killed_task_grant_is_reclaimed") {
     unsigned sum = 0;
     for (uint64_t i = 0; i < g.bytes; i += 4096) sum += p[i];
     CHECK(sum == 0);
+    CHECK(bb_trainer_read_grant(t.h, g.id, 0, copy.data(), 4) == BB_E_NOT_FOUND);
   }
   CHECK(fds_back_to(fds_before));
 }
@@ -664,6 +678,12 @@ TEST_CASE("lend_and_grant_calls_reject_bad_input_with_a_clear_error") {
   CHECK(s.backend == 0);
   CHECK(s.capacity == 0);
   CHECK(bb_trainer_revoke(t.h, 12345, 0) == BB_E_NOT_FOUND);
+  char buf[16];
+  CHECK(bb_trainer_read_grant(t.h, 1, 0, buf, sizeof buf) == BB_E_STATE);
+  CHECK(std::string(bb_last_error()).find("no memory is lent") != std::string::npos);
+  CHECK(bb_trainer_read_grant(nullptr, 1, 0, buf, sizeof buf) == BB_E_INVALID);
+  CHECK(bb_trainer_read_grant(t.h, 1, 0, nullptr, sizeof buf) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("dst is NULL") != std::string::npos);
   CHECK(bb_trainer_unlend(nullptr, 0) == BB_E_INVALID);
   CHECK(bb_trainer_unlend(t.h, 0) == BB_E_STATE);
   CHECK(std::string(bb_last_error()).find("no memory is lent") != std::string::npos);
@@ -673,6 +693,8 @@ TEST_CASE("lend_and_grant_calls_reject_bad_input_with_a_clear_error") {
   CHECK(bb_trainer_grant(t.h, 77, 4096, nullptr) == BB_E_NOT_FOUND);
   bb_grant_info_t g{sizeof g};
   CHECK(bb_trainer_task_grant(t.h, 77, &g) == BB_E_NOT_FOUND);
+  CHECK(bb_trainer_read_grant(t.h, 77, 0, buf, sizeof buf) == BB_E_NOT_FOUND);
+  CHECK(std::string(bb_last_error()).find("grant 77 is not live") != std::string::npos);
   // A task without mem_need is not granted unasked, and grant(0) needs a size.
   Child task(task_args("ge", "plain", "attach-only"));
   REQUIRE(task.wait_line("ATTACHED") != "");
@@ -807,6 +829,25 @@ void cuda_end_to_end(bb_grant_backend backend, const char* job, int clear = -1,
       CHECK(syncs.empty());
       CHECK(log_lines(log, "cuStreamCreate").empty());
     }
+    // bb_trainer_read_grant copies the task's bytes out on the lender's own stream (the one
+    // that clears grants), which it waits for.
+    double_log(true);
+    std::vector<uint32_t> copy(g.bytes / 4);
+    REQUIRE(bb_trainer_read_grant(t.h, g.id, 0, copy.data(), g.bytes) == BB_OK);
+    CHECK(pattern_ok(reinterpret_cast<uint64_t>(copy.data()), g.bytes, 42));
+    {
+      const std::string rlog = double_log(false);
+      INFO(rlog);
+      const auto copies = log_lines(rlog, "cuMemcpyAsync");
+      const auto waits = log_lines(rlog, "cuStreamSynchronize");
+      REQUIRE(copies.size() == 1);
+      REQUIRE(waits.size() == 1);
+      CHECK(arg_of(copies[0], "src") == std::to_string(g.address));
+      CHECK(arg_of(copies[0], "dst") == std::to_string(reinterpret_cast<uint64_t>(copy.data())));
+      CHECK(arg_of(copies[0], "stream") != "0");
+      CHECK(arg_of(waits[0], "stream") == arg_of(copies[0], "stream"));
+      if (cleared) CHECK(arg_of(copies[0], "stream") == arg_of(memsets[0], "stream"));
+    }
     const bb_grant_stats_t s = t.grants();
     CHECK(s.capacity == 16 * kMiB);
     CHECK(s.active == 1);
@@ -814,6 +855,9 @@ void cuda_end_to_end(bb_grant_backend backend, const char* job, int clear = -1,
     CHECK(s.granted_bytes == (backend == BB_GRANT_CUDA_VMM ? 2 * kMiB : kMiB));
     REQUIRE(bb_trainer_revoke(t.h, id, bb_now_ns() + 30'000'000'000ull) == BB_OK);
     REQUIRE(eventually([&] { return t.grants().revokes_acked == 1; }));
+    // Given back: its bytes went with it, and reading them is refused, not a fault.
+    CHECK(bb_trainer_read_grant(t.h, g.id, 0, copy.data(), 4) == BB_E_NOT_FOUND);
+    CHECK(std::string(bb_last_error()).find("is not live") != std::string::npos);
     check_lender_empty(t.grants());
     REQUIRE(bb_trainer_stop_task(t.h, id) == BB_OK);
     CHECK(task.wait_line("RESULT").find("BB_E_STOPPED") != std::string::npos);
@@ -850,6 +894,57 @@ TEST_CASE("cuda_grants_of_a_caller_built_before_clear_grants_are_cleared") {
 TEST_CASE("cuda_grants_lent_with_clear_grants_0_skip_the_memset") {
   cuda_end_to_end(BB_GRANT_CUDA_VMM, "gz", 0);
   cuda_end_to_end(BB_GRANT_CUDA_IPC, "gy", 0);
+}
+
+TEST_CASE("a_cuda_grant_copied_out_as_its_task_is_killed_is_never_read_once_released") {
+  // The trainer reads its task's results while the task may die at any instruction. Reading
+  // the grant's device address directly can meet the release's unmap (a GPU fault, fatal to the
+  // trainer's context); bb_trainer_read_grant holds the release back for the copy. The double
+  // records any copy that met unmapped memory as a violation.
+  RuntimeDir dir;
+  ScopedEnv env("BUBBLE_CUDA_DRIVER", double_path());
+  const int fds_before = count_fds();
+  {
+    Trainer t("gk");
+    t.lend(BB_GRANT_CUDA_VMM, 16 * kMiB);
+    double_log(true);
+    for (int round = 1; round <= 3; ++round) {
+      CAPTURE(round);
+      Child task(task_args("gk", "victim" + std::to_string(round), "iterative",
+                           {"--mem", std::to_string(kMiB), "--grant-seed", "7"}));
+      REQUIRE(task.wait_line("ATTACHED") != "");
+      const uint64_t gid = t.until_granted(task);
+      REQUIRE(gid != 0);
+      std::atomic<bool> stop{false};
+      std::atomic<uint64_t> ok{0}, gone{0}, torn{0}, other{0};
+      std::thread reader([&] {
+        std::vector<uint32_t> buf(kMiB / 4);
+        while (!stop.load()) {
+          const bb_status st = bb_trainer_read_grant(t.h, gid, 0, buf.data(), kMiB);
+          if (st == BB_OK)
+            (pattern_ok(reinterpret_cast<uint64_t>(buf.data()), kMiB, 7) ? ok : torn)++;
+          else
+            (st == BB_E_NOT_FOUND ? gone : other)++;
+        }
+      });
+      REQUIRE(eventually([&] { return ok.load() > 0; }));
+      task.signal(SIGKILL);
+      CHECK(task.wait_exit() != -1);
+      REQUIRE(eventually([&] { return t.grants().released_dead == uint64_t(round); }));
+      const bool refused_after = eventually([&] { return gone.load() > 0; });
+      stop = true;
+      reader.join();
+      CHECK(refused_after);
+      CHECK(torn.load() == 0);
+      CHECK(other.load() == 0);
+    }
+    bbdouble_counts c{};
+    std::string violations;
+    REQUIRE(double_counts(&c, &violations));
+    CHECK_MESSAGE(c.violations == 0, violations);
+    check_lender_empty(t.grants());
+  }
+  CHECK(fds_back_to(fds_before));
 }
 
 TEST_CASE("task_without_a_cuda_driver_gives_a_cuda_grant_back") {

@@ -122,7 +122,7 @@ TEST_CASE("the driver loader resolves its table through cuGetProcAddress") {
   std::string err;
   REQUIRE_MESSAGE(CudaDriver::open(BUBBLE_CUDA_DOUBLE_PATH, &d, &err) == BB_OK, err);
   CHECK(d->via_proc_address);
-  CHECK(dbl().counts().proc_lookups == 33);  // the entries of BB_CUDA_DRIVER_FUNCTIONS
+  CHECK(dbl().counts().proc_lookups == 34);  // the entries of BB_CUDA_DRIVER_FUNCTIONS
   CHECK(d->driver_version == 13000);
   CHECK(d->device_count == 1);
   CHECK(d->path == BUBBLE_CUDA_DOUBLE_PATH);
@@ -146,6 +146,7 @@ TEST_CASE("the driver loader falls back to dlsym of versioned names") {
   CHECK(reinterpret_cast<void*>(d->StreamDestroy) == dlsym(d->dl_handle, "cuStreamDestroy_v2"));
   // The default-stream names, not the per-thread (_ptsz) ones.
   CHECK(reinterpret_cast<void*>(d->MemsetD8Async) == dlsym(d->dl_handle, "cuMemsetD8Async"));
+  CHECK(reinterpret_cast<void*>(d->MemcpyAsync) == dlsym(d->dl_handle, "cuMemcpyAsync"));
   CHECK(reinterpret_cast<void*>(d->StreamSynchronize) ==
         dlsym(d->dl_handle, "cuStreamSynchronize"));
 }
@@ -837,7 +838,7 @@ TEST_CASE("a grant whose clearing fails is not made, names the call and leaves n
     const char* says;
   };
   const Case cases[] = {
-      {"stream", "cuStreamCreate of the stream that clears grants failed: "
+      {"stream", "cuStreamCreate of the lender's stream failed: "
                  "CUDA_ERROR_OUT_OF_MEMORY"},
       {"memset", "cuMemsetD8Async clearing a grant failed: CUDA_ERROR_LAUNCH_FAILED"},
       {"sync", "cuStreamSynchronize waiting for a grant to be cleared failed: "
@@ -874,4 +875,67 @@ TEST_CASE("a grant whose clearing fails is not made, names the call and leaves n
     }
   }
   CHECK(count_open_fds() == fds_before);
+}
+
+TEST_CASE("a live grant's bytes are copied out on the lender's stream, a released one's never") {
+  for (GrantBackend b : {GrantBackend::kCudaIpc, GrantBackend::kCudaVmm}) {
+    CAPTURE(grant_backend_name(b));
+    Clean clean;
+    auto l = lender(b, 8 * kMiB);
+    std::string err;
+    Grant g, dst;
+    REQUIRE_MESSAGE(l->grant(kMiB, 1, &g, &err) == BB_OK, err);
+    REQUIRE_MESSAGE(l->grant(kMiB, 2, &dst, &err) == BB_OK, err);
+    // The task's results: the double's device memory is host memory.
+    auto* w = reinterpret_cast<uint32_t*>(l->address(g.id));
+    for (uint64_t i = 0; i < g.size / 4; ++i) w[i] = pattern_word(61, i);
+
+    dbl().reset();
+    std::vector<uint32_t> host(g.size / 4);
+    REQUIRE_MESSAGE(l->read(g.id, 0, host.data(), g.size, &err) == BB_OK, err);
+    CHECK(pattern_ok(reinterpret_cast<uint64_t>(host.data()), g.size, 61));
+    // One copy on the lender's non-blocking stream, waited for; the stream that clears grants.
+    CHECK(dbl().calls("cuMemcpyAsync,cuStreamSynchronize,cuCtxSynchronize") ==
+          Calls{"cuMemcpyAsync", "cuStreamSynchronize"});
+    CHECK(logged_arg("cuMemcpyAsync", "src") == std::to_string(l->address(g.id)));
+    CHECK(logged_arg("cuMemcpyAsync", "stream") != "0");
+    CHECK(logged_arg("cuStreamSynchronize", "stream") == logged_arg("cuMemcpyAsync", "stream"));
+
+    // Part of it, to device memory of the same GPU.
+    REQUIRE_MESSAGE(l->read(g.id, 4096, reinterpret_cast<void*>(l->address(dst.id)), 8, &err) ==
+                        BB_OK,
+                    err);
+    const auto* d = reinterpret_cast<const uint32_t*>(l->address(dst.id));
+    CHECK(d[0] == pattern_word(61, 1024));
+    CHECK(d[1] == pattern_word(61, 1025));
+    CHECK(d[2] == 0);  // the rest of the other grant is as it was cleared
+
+    // Only the grant's bytes: not past its end, nor a range whose end wraps.
+    CHECK(l->read(g.id, g.size - 4, host.data(), 8, &err) == BB_E_INVALID);
+    CHECK(err.find("outside grant") != std::string::npos);
+    CHECK(l->read(g.id, UINT64_MAX, host.data(), 2, &err) == BB_E_INVALID);
+    CHECK(l->read(g.id, g.size, host.data(), 0, &err) == BB_OK);
+
+    // Revoking: still the holder's, still readable.
+    REQUIRE(l->revoke(g.id, 1, &err) == BB_OK);
+    REQUIRE(l->read(g.id, 0, host.data(), 4, &err) == BB_OK);
+
+    // A failed copy names the call; the next one works on a fresh stream.
+    {
+      DoubleEnv fail("BUBBLE_CUDA_DOUBLE_FAIL", "memcpy@1");
+      CHECK(l->read(g.id, 0, host.data(), 4, &err) == BB_E_SYSTEM);
+      CHECK(err.find("cuMemcpyAsync copying a grant out failed") != std::string::npos);
+      REQUIRE_MESSAGE(l->read(g.id, 0, host.data(), 4, &err) == BB_OK, err);
+      CHECK(dbl().calls("cuStreamDestroy,cuStreamCreate") ==
+            Calls{"cuStreamDestroy", "cuStreamCreate"});
+    }
+
+    // Released: refused, never read.
+    REQUIRE(l->release(g.id, &err) == BB_OK);
+    dbl().reset();
+    CHECK(l->read(g.id, 0, host.data(), 4, &err) == BB_E_NOT_FOUND);
+    CHECK(err.find("grant " + std::to_string(g.id) + " is not live") != std::string::npos);
+    CHECK(dbl().calls("cuMemcpyAsync").empty());
+    REQUIRE(l->release(dst.id, &err) == BB_OK);
+  }
 }

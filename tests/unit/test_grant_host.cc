@@ -267,3 +267,27 @@ TEST_CASE("revocation: overdue counts past what fits, and a second ask gets them
   REQUIRE(l->release(made[1], &err) == BB_OK);
   CHECK(l->overdue(now, all.data(), all.size()) == 2);
 }
+
+TEST_CASE("host: a live grant's bytes are copied out, a released one's never") {
+  const int before = count_open_fds();
+  {
+    auto l = host_lender(8 * kPage);
+    std::string err;
+    Grant g;
+    REQUIRE_MESSAGE(l->grant(2 * kPage + 100, 1, &g, &err) == BB_OK, err);
+    auto* w = reinterpret_cast<uint32_t*>(l->address(g.id));
+    for (uint64_t i = 0; i < g.size / 4; ++i) w[i] = bb::test::pattern_word(17, i);
+    std::vector<uint32_t> out(g.size / 4);
+    REQUIRE_MESSAGE(l->read(g.id, 0, out.data(), g.size, &err) == BB_OK, err);
+    CHECK(pattern_ok(reinterpret_cast<uint64_t>(out.data()), g.size, 17));
+    REQUIRE(l->read(g.id, 12, out.data(), 4, &err) == BB_OK);  // any offset, any length
+    CHECK(out[0] == bb::test::pattern_word(17, 3));
+    // The grant's bytes, not the page-rounded range's.
+    CHECK(l->read(g.id, g.size - 1, out.data(), 2, &err) == BB_E_INVALID);
+    CHECK(l->read(g.id + 1, 0, out.data(), 4, &err) == BB_E_NOT_FOUND);
+    REQUIRE(l->release(g.id, &err) == BB_OK);
+    CHECK(l->read(g.id, 0, out.data(), 4, &err) == BB_E_NOT_FOUND);
+    CHECK(err.find("its task gave it back, left or died") != std::string::npos);
+  }
+  CHECK(count_open_fds() == before);
+}

@@ -165,6 +165,7 @@ _SIGNATURES = {
     "bb_trainer_unlend": (c_int, [_trainer_h, c_uint64]),
     "bb_trainer_task_grant": (c_int, [_trainer_h, c_uint64, POINTER(GrantInfoC)]),
     "bb_trainer_grant_stats": (c_int, [_trainer_h, POINTER(GrantStatsC)]),
+    "bb_trainer_read_grant": (c_int, [_trainer_h, c_uint64, c_uint64, c_void_p, c_uint64]),
     "bb_task_grant": (c_int, [_task_h, POINTER(TaskGrantC)]),
     "bb_task_ack_revoke": (c_int, [_task_h]),
 }

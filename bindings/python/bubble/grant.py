@@ -59,10 +59,11 @@ class GrantInfo:
         """The trainer's view of a host grant. Its contents are the task's while the grant is
         active or revoking; once released (the task may leave at any moment) the range reads
         zeros, and a later grant there is another task's. Never use it after unlend() or
-        close(): the whole lent range is unmapped then."""
+        close(): the whole lent range is unmapped then. Trainer.read_grant() copies the bytes
+        out instead, and refuses once the grant is released."""
         if self.backend != GrantBackend.HOST:
-            raise TypeError(f"grant {self.id} is device memory ({self.backend!r}): pass "
-                            "its address to device code instead")
+            raise TypeError(f"grant {self.id} is device memory ({self.backend!r}): copy it "
+                            "out with Trainer.read_grant(), or pass its address to device code")
         return _host_view(self.address, self.bytes)
 
 

@@ -262,6 +262,49 @@ class Trainer:
         self._call(lib.bb_trainer_task_grant, _task_id(task), ctypes.byref(out))
         return grant_info(out)
 
+    def read_grant(self, grant: int | GrantInfo, size: int | None = None, offset: int = 0,
+                   into=None) -> bytes | None:
+        """Copies a grant's bytes out: the safe way to read what its task wrote. The task may
+        leave or die at any moment, which releases the grant, but never during the copy (the
+        release waits for it), so this never touches memory already given back; a grant no
+        longer live raises HubNotFound (a LookupError).
+
+        `grant` is a GrantInfo (from task_grant()) or a grant id. `size` bytes are copied from
+        `offset` into the grant (default: the rest of it, for a GrantInfo). With `into` None the
+        bytes are returned; `into` may instead be a writable buffer (bytearray, memoryview, a
+        NumPy array: its size is the default), or, for the CUDA backends, an int address of host
+        or device memory of the lender's GPU (a CUDA tensor's data_ptr(), with `size`); the call
+        then returns None. The copy runs on this thread; the hub's grants and releases wait for
+        it, so copy what you need."""
+        gid = grant.id if isinstance(grant, GrantInfo) else int(grant)
+        if size is None:
+            if into is not None and not isinstance(into, int):
+                size = memoryview(into).nbytes
+            elif isinstance(grant, GrantInfo):
+                size = grant.bytes - offset
+            else:
+                raise ValueError("size is needed: pass the number of bytes to copy, or a "
+                                 "GrantInfo from task_grant()")
+        if size < 0 or offset < 0:
+            raise ValueError(f"size {size} and offset {offset} must not be negative")
+        if isinstance(into, int):
+            if into == 0:
+                raise ValueError("into is address 0: pass a buffer or a real address")
+            self._call(lib.bb_trainer_read_grant, gid, offset, ctypes.c_void_p(into), size)
+            return None
+        if into is None:
+            buf = (ctypes.c_ubyte * max(size, 1))()
+            self._call(lib.bb_trainer_read_grant, gid, offset, buf, size)
+            return bytes(memoryview(buf).cast("B")[:size])
+        view = memoryview(into).cast("B")
+        if view.readonly:
+            raise TypeError("into is read-only: pass a writable buffer")
+        if size > view.nbytes:
+            raise ValueError(f"into holds {view.nbytes} bytes, fewer than the {size} asked for")
+        dst = (ctypes.c_ubyte * max(view.nbytes, 1)).from_buffer(view)
+        self._call(lib.bb_trainer_read_grant, gid, offset, dst, size)
+        return None
+
     def grant_stats(self) -> GrantStats:
         out = _lib.GrantStatsC(size=ctypes.sizeof(_lib.GrantStatsC))
         self._call(lib.bb_trainer_grant_stats, ctypes.byref(out))

@@ -3,6 +3,7 @@ of this process) writes a pattern into its grant and the trainer reads it back a
 address of the grant; then revoke and ack."""
 from __future__ import annotations
 
+import ctypes
 import struct
 import threading
 
@@ -86,6 +87,22 @@ def test_host_grant_written_by_task_is_read_by_trainer_then_revoked_and_acked(jo
             assert g.bytes == GRANT and g.mapped
             # The trainer reads what the task wrote at its own address of the grant.
             assert g.memory().tobytes() == pattern(7, GRANT)
+            # ... or copies it out, which a release waits for.
+            assert trainer.read_grant(g) == pattern(7, GRANT)
+            assert trainer.read_grant(g.id, 8, offset=16) == pattern(7, GRANT)[16:24]
+            into = bytearray(12)
+            assert trainer.read_grant(g, into=into, offset=4) is None
+            assert bytes(into) == pattern(7, GRANT)[4:16]
+            raw = bytearray(8)
+            buf = (ctypes.c_ubyte * 8).from_buffer(raw)
+            trainer.read_grant(g, 8, into=ctypes.addressof(buf))
+            assert bytes(raw) == pattern(7, GRANT)[:8]
+            with pytest.raises(bubble.InvalidArgument, match="outside grant"):
+                trainer.read_grant(g, 8, offset=GRANT - 4)
+            with pytest.raises(ValueError, match="size is needed"):
+                trainer.read_grant(g.id)
+            with pytest.raises(TypeError, match="read-only"):
+                trainer.read_grant(g, into=bytes(4))
             s = trainer.grant_stats()
             assert s.backend is bubble.GrantBackend.HOST
             assert (s.capacity, s.active, s.granted_bytes, s.grants_made) == (LENT, 1, GRANT, 1)
@@ -98,6 +115,8 @@ def test_host_grant_written_by_task_is_read_by_trainer_then_revoked_and_acked(jo
             assert eventually(lambda: trainer.grant_stats().revokes_acked == 1)
             assert eventually(lambda: acked == [g.id])  # the task says so after its ack
             assert trainer.task_grant(task) is None
+            with pytest.raises(bubble.HubNotFound, match="is not live"):
+                trainer.read_grant(g)  # given back: its bytes went with it
             s = trainer.grant_stats()
             assert (s.revokes, s.tasks_killed, s.active, s.granted_bytes) == (1, 0, 0, 0)
             assert s.free_bytes == s.capacity

@@ -550,7 +550,7 @@ typedef struct bb_grant_info_t {
                            any moment, which releases the grant: a host range then reads zeros
                            (never faults, but takes no writes); a cuda-vmm range is unmapped; a
                            cuda-ipc range is the trainer's own memory, cleared before its next
-                           grant */
+                           grant. bb_trainer_read_grant copies it out safely */
   uint64_t deadline_ns; /* REVOKING: when the task will be killed */
 } bb_grant_info_t;
 
@@ -559,6 +559,20 @@ typedef struct bb_grant_info_t {
  * first. */
 BB_API bb_status bb_trainer_task_grant(bb_trainer_h trainer, uint64_t task_id,
                                        bb_grant_info_t *out);
+
+/* Copies bytes of grant grant_id, from offset into it, to dst, and returns once the copy is
+ * done: this is how the trainer reads what a task wrote. The task may leave or die at any moment,
+ * which releases its grant, but never during this call (the release waits for the copy), so
+ * unlike reading bb_grant_info_t.address directly it never touches unmapped memory. dst is host
+ * memory for host grants; for the CUDA backends, host memory or device memory of the lender's
+ * GPU (unified addressing tells them apart). The copy runs on the calling thread (CUDA: on the
+ * lender's own stream, which it waits for; the caller's streams are not waited for, so dst must
+ * not be in use by the caller's queued work); the hub's grants and releases wait for it, so copy
+ * what you need. BB_E_NOT_FOUND when the grant is no longer live (its task gave it back, left or
+ * died), BB_E_INVALID when [offset, offset + bytes) is not inside the grant's bytes or dst is
+ * NULL, BB_E_STATE when nothing is lent. */
+BB_API bb_status bb_trainer_read_grant(bb_trainer_h trainer, uint64_t grant_id, uint64_t offset,
+                                       void *dst, uint64_t bytes);
 
 typedef struct bb_grant_stats_t {
   uint32_t size;

@@ -430,6 +430,14 @@ class trainer {
                       static_cast<grant_backend>(g.backend), g.mapped != 0, g.bytes, g.offset,
                       g.address, g.deadline_ns};
   }
+  // Copies bytes of grant grant_id, from offset into it, to dst: the safe way to read what a
+  // task wrote. The task may leave or die at any moment, which releases the grant, but never
+  // during the copy (the release waits for it). dst is host memory, or for the CUDA backends
+  // device memory of the lender's GPU. Throws E_NOT_FOUND once the grant is no longer live,
+  // E_INVALID when the range is not inside the grant's bytes.
+  void read_grant(uint64_t grant_id, uint64_t offset, void* dst, uint64_t bytes) const {
+    detail::check(bb_trainer_read_grant(h_.get(), grant_id, offset, dst, bytes));
+  }
   // The lender's byte counts and the revoke protocol's counters.
   grant_stats grants() const {
     bb_grant_stats_t s{};

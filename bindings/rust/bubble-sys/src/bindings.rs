@@ -2364,6 +2364,15 @@ extern "C" {
         out: *mut bb_grant_info_t,
     ) -> bb_status;
 }
+extern "C" {
+    pub fn bb_trainer_read_grant(
+        trainer: bb_trainer_h,
+        grant_id: u64,
+        offset: u64,
+        dst: *mut ::std::os::raw::c_void,
+        bytes: u64,
+    ) -> bb_status;
+}
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct bb_grant_stats_t {

@@ -169,7 +169,8 @@ impl GrantInfo {
         (self.backend == GrantBackend::Host && self.address != 0).then_some(self.address as *const u8)
     }
 
-    /// The grant's host memory, as the trainer maps it.
+    /// The grant's host memory, as the trainer maps it. `Trainer::read_grant` copies it out
+    /// safely instead.
     ///
     /// # Safety
     /// The grant must stay granted (not released by an ack, the task's exit or the trainer's

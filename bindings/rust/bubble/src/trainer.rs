@@ -417,6 +417,34 @@ impl Trainer {
         Ok(GrantInfo::from_sys(&g))
     }
 
+    /// Copies `dst.len()` bytes of grant `grant_id`, from `offset` into it, to `dst`: the safe
+    /// way to read what a task wrote. The task may leave or die at any moment, which releases
+    /// the grant, but never during the copy (the release waits for it). `Status::NotFound` once
+    /// the grant is no longer live, `Status::Invalid` when the range is not inside the grant's
+    /// bytes. For the CUDA backends the copy lands in host memory; see `read_grant_raw` for
+    /// device memory. The hub's grants and releases wait for the copy: copy what you need.
+    pub fn read_grant(&self, grant_id: u64, offset: u64, dst: &mut [u8]) -> Result<()> {
+        // SAFETY: dst is valid for dst.len() bytes of writes.
+        unsafe { self.read_grant_raw(grant_id, offset, dst.as_mut_ptr().cast(), dst.len() as u64) }
+    }
+
+    /// `read_grant` to any memory: host memory, or for the CUDA backends device memory of the
+    /// lender's GPU (a device pointer as `*mut c_void`).
+    ///
+    /// # Safety
+    /// `dst` must be valid for `bytes` bytes of writes, and not in use by work the caller has
+    /// queued on a GPU stream (the copy runs on the lender's own stream).
+    pub unsafe fn read_grant_raw(
+        &self,
+        grant_id: u64,
+        offset: u64,
+        dst: *mut std::ffi::c_void,
+        bytes: u64,
+    ) -> Result<()> {
+        // SAFETY: live handle; dst as the caller promised.
+        check(sys::bb_trainer_read_grant(self.raw.as_ptr(), grant_id, offset, dst, bytes))
+    }
+
     /// The lender's byte counts and the revoke protocol's counters.
     pub fn grant_stats(&self) -> Result<GrantStats> {
         // SAFETY: all-zero is valid; size set below.

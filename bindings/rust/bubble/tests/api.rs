@@ -524,6 +524,16 @@ fn host_grant_written_by_an_imperative_task_is_read_by_the_trainer_then_revoked_
     // The trainer reads what the task wrote at its own address of the grant.
     // SAFETY: the grant stays active until the revoke below; the task wrote before saying so.
     assert!(pattern_ok(unsafe { g.as_host_slice() }.unwrap(), 7));
+    // ... or copies it out, which a release waits for.
+    let mut copy = vec![0u8; GRANT as usize];
+    trainer.read_grant(g.id, 0, &mut copy).unwrap();
+    assert!(pattern_ok(&copy, 7));
+    let mut part = [0u8; 8];
+    trainer.read_grant(g.id, 16, &mut part).unwrap();
+    assert_eq!(&part[..], &copy[16..24]);
+    let past = trainer.read_grant(g.id, GRANT - 4, &mut part).unwrap_err();
+    assert_eq!(past.status, Status::Invalid);
+    assert!(past.message.contains("outside grant"), "{}", past.message);
     let s = trainer.grant_stats().unwrap();
     assert_eq!(s.backend, Some(GrantBackend::Host));
     assert_eq!((s.capacity, s.active, s.granted_bytes, s.grants_made), (1 << 20, 1, GRANT, 1));
@@ -536,6 +546,8 @@ fn host_grant_written_by_an_imperative_task_is_read_by_the_trainer_then_revoked_
     assert!(eventually(|| trainer.grant_stats().unwrap().revokes_acked == 1));
     assert!(eventually(|| acked.load(Ordering::SeqCst) == g.id)); // the task says so after its ack
     assert!(trainer.task_grant(id).unwrap().is_none());
+    // Given back: its bytes went with it.
+    assert_eq!(trainer.read_grant(g.id, 0, &mut part).unwrap_err().status, Status::NotFound);
     let s = trainer.grant_stats().unwrap();
     assert_eq!((s.revokes, s.tasks_killed, s.active, s.granted_bytes), (1, 0, 0, 0));
     assert_eq!(s.free_bytes, s.capacity);
