@@ -105,7 +105,8 @@ void Agent::shutdown() {
     close_and_delete(dir_watch_);
     dir_watch_ = nullptr;
   }
-  if (!unsaved_.empty()) save_unsaved();  // a last try: what is still owed is logged
+  // A last try: what is still owed was logged when its write failed.
+  if (!unsaved_.empty() || !unsaved_meta_.empty() || !unsaved_actions_.empty()) save_unsaved();
   for (uv_timer_t** t : {&tick_, &retry_timer_, &prune_timer_, &log_timer_, &relaunch_timer_,
                          &save_timer_}) {
     if (*t) {

@@ -200,7 +200,10 @@ class Agent {
   // Writes the row; a failed write (disk full, the database locked) is logged and tried again
   // every second until it succeeds. False when this write failed.
   bool save(const TaskRow& row);
+  // The same for a meta setting (the drains) and an action record.
+  bool save_meta(const std::string& key, const std::string& value);
   void save_unsaved();
+  void retry_saves_soon();
   void finish_row(TaskRow* row, const std::string& state, const std::string& message);
   // Deletes the oldest ended tasks beyond cfg_.keep_ended (records, actions, logs). Runs from its
   // own timer, never inside a walk over tasks_.
@@ -280,6 +283,9 @@ class Agent {
   uv_timer_t* relaunch_timer_ = nullptr;  // placement again after a passing launch failure
   uv_timer_t* save_timer_ = nullptr;      // rows whose save failed, tried again
   std::set<int64_t> unsaved_;             // ids of rows the database is behind on
+  std::map<std::string, std::string> unsaved_meta_;  // settings it is behind on
+  std::deque<ActionRow> unsaved_actions_;            // actions it is behind on, oldest first
+  uint64_t unsaved_actions_dropped_ = 0;             // ... and those past the bound
   uint32_t actions_since_trim_ = 0;
   // Process groups of launched tasks that ended less than a minute ago and whose rows were
   // deleted: adoptable() must still know them (pgid -> ended_at, Unix ms).

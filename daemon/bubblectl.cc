@@ -5,7 +5,9 @@
 #include "daemon/paths.h"
 #include "daemon/render.h"
 
+#include <ctype.h>
 #include <errno.h>
+#include <poll.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -19,6 +21,7 @@
 #include <kj/exception.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <vector>
 
@@ -91,13 +94,18 @@ const std::string& option_value(const std::vector<std::string>& args, size_t* i,
   return args[++*i];
 }
 
+// A size: decimal digits with an optional fraction, then an optional unit ("512M", "1.5G").
+// strtod alone would also take "nan", "inf", hex and exponents.
 bool parse_size(const std::string& s, uint64_t* out) {
-  if (s.empty()) return false;
-  char* end = nullptr;
+  size_t n = 0, dots = 0;
+  while (n < s.size() && (isdigit(static_cast<unsigned char>(s[n])) || (s[n] == '.' && !dots++)))
+    ++n;
+  if (n == 0 || !isdigit(static_cast<unsigned char>(s[0]))) return false;
+  const std::string number = s.substr(0, n);
   errno = 0;
-  double v = strtod(s.c_str(), &end);
-  if (errno || end == s.c_str() || v < 0) return false;
-  std::string suf = end;
+  const double v = strtod(number.c_str(), nullptr);
+  if (errno || !std::isfinite(v)) return false;
+  std::string suf = s.substr(n);
   if (!suf.empty() && (suf.back() == 'B' || suf.back() == 'b')) suf.pop_back();
   if (suf.size() == 2 && (suf[1] == 'i' || suf[1] == 'I')) suf.pop_back();
   double mul = 1;
@@ -155,28 +163,62 @@ std::string when(int64_t ms) {
 
 std::string str(capnp::Text::Reader t) { return std::string(t.cStr(), t.size()); }
 
-// One connection: Hello, then requests.
+// Standard output that cannot be written is a failure, not success: a reader that went away
+// (`bubblectl logs ID --follow | head`) ends bubblectl quietly with the status SIGPIPE would give
+// (141; the signal itself is ignored for the agent's socket), any other error (a full disk) with
+// a message and 1.
+void check_stdout() {
+  errno = 0;
+  if (fflush(stdout) == 0 && !ferror(stdout)) return;
+  int e = errno;
+  if (e == 0) {  // the error came with an earlier write: a pipe without readers says so itself
+    pollfd p{STDOUT_FILENO, POLLOUT, 0};
+    if (poll(&p, 1, 0) == 1 && (p.revents & POLLERR)) e = EPIPE;
+  }
+  if (e == EPIPE) _exit(141);
+  fprintf(stderr, "bubblectl: cannot write the output: %s\n", e ? strerror(e) : "write error");
+  _exit(1);
+}
+
+// One connection: Hello, then requests. It connects at the first request, so that a command
+// checks its arguments before it needs an agent.
 class Client {
  public:
-  explicit Client(const std::string& path) : path_(path) {
+  explicit Client(const std::string& path) : path_(path) {}
+  ~Client() {
+    if (fd_ >= 0) close(fd_);
+  }
+
+  // Sends a request and returns the reply; exits with the agent's message on an Error reply.
+  std::unique_ptr<capnp::MessageReader> call(capnp::MallocMessageBuilder& msg) {
+    if (fd_ < 0) open();
+    return exchange(msg);
+  }
+
+  uint16_t metrics_port() const { return metrics_port_; }
+  int agent_pid() const { return agent_pid_; }
+  const std::string& version() const { return version_; }
+
+ private:
+  void open() {
     fd_ = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd_ < 0) die(std::string("cannot create a socket: ") + strerror(errno));
     sockaddr_un sa{};
     sa.sun_family = AF_UNIX;
-    if (path.size() >= sizeof sa.sun_path) die("socket path " + path + " is too long");
-    memcpy(sa.sun_path, path.c_str(), path.size());
+    if (path_.size() >= sizeof sa.sun_path) die("socket path " + path_ + " is too long");
+    memcpy(sa.sun_path, path_.c_str(), path_.size());
     if (connect(fd_, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0) {
       int e = errno;
       if (e == ENOENT || e == ECONNREFUSED) {
         close(fd_);
         fd_ = -1;
-        unreachable("no agent at " + path + ": start it with `bubbled` (or pass --socket PATH)");
+        unreachable("no agent at " + path_ + ": start it with `bubbled` (or pass --socket PATH)");
       }
       if (e == EACCES || e == EPERM) {
-        die("permission denied on " + path +
+        die("permission denied on " + path_ +
             ": the agent belongs to another user; start your own with `bubbled`");
       }
-      die("cannot connect to the agent at " + path + ": " + strerror(e));
+      die("cannot connect to the agent at " + path_ + ": " + strerror(e));
     }
     timeval tv{60, 0};
     setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
@@ -185,24 +227,14 @@ class Client {
     auto h = req.initHello();
     h.setProtocolVersion(proto::PROTOCOL_VERSION);
     h.setClient("bubblectl");
-    std::unique_ptr<capnp::MessageReader> resp;
-    try {
-      resp = call(msg);
-    } catch (const AgentUnreachable&) {  // no destructor runs for a constructor that throws
-      close(fd_);
-      throw;
-    }
+    auto resp = exchange(msg);
     auto hello = resp->getRoot<proto::Response>().getHello();
     metrics_port_ = hello.getMetricsPort();
     agent_pid_ = hello.getPid();
     version_ = str(hello.getAgentVersion());
   }
-  ~Client() {
-    if (fd_ >= 0) close(fd_);
-  }
 
-  // Sends a request and returns the reply; exits with the agent's message on an Error reply.
-  std::unique_ptr<capnp::MessageReader> call(capnp::MallocMessageBuilder& msg) {
+  std::unique_ptr<capnp::MessageReader> exchange(capnp::MallocMessageBuilder& msg) {
     msg.getRoot<proto::Request>().setId(++next_id_);
     std::string err;
     std::vector<uint8_t> frame;
@@ -227,11 +259,6 @@ class Client {
     return reader;
   }
 
-  uint16_t metrics_port() const { return metrics_port_; }
-  int agent_pid() const { return agent_pid_; }
-  const std::string& version() const { return version_; }
-
- private:
   std::string path_;
   int fd_ = -1;
   uint64_t next_id_ = 0;
@@ -545,7 +572,7 @@ int cmd_logs(Client& c, const std::vector<std::string>& args) {
               lr.getDropped() ? "; older output was dropped by bubbled --log-max-bytes" : "");
     auto data = lr.getData();
     fwrite(data.begin(), 1, data.size(), stdout);
-    fflush(stdout);
+    check_stdout();  // a follower whose reader left ends here, not when the task does
     if (!follow) return 0;
     const bool caught_up = static_cast<int64_t>(lr.getEnd()) == offset || data.size() < max_bytes;
     offset = static_cast<int64_t>(lr.getEnd());
@@ -703,10 +730,7 @@ int cmd_events(Client& c, const std::vector<std::string>& args, bool svg) {
   return 0;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  signal(SIGPIPE, SIG_IGN);
+int run(int argc, char** argv) {
   std::string socket;
   int i = 1;
   for (; i < argc; ++i) {
@@ -746,4 +770,13 @@ int main(int argc, char** argv) {
     die(std::string("malformed reply from the agent: ") + e.getDescription().cStr());
   }
   return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  signal(SIGPIPE, SIG_IGN);
+  const int code = run(argc, argv);
+  check_stdout();
+  return code;
 }

@@ -270,7 +270,9 @@ std::string Agent::render_metrics() {
   }
   head("bubble_enforcement_actions_total", "counter",
        "Enforcement and supervision actions since the agent started, by action.");
-  for (const char* s : {"stop", "continue", "kill", "replace", "cancel"}) {
+  // Every kind Agent::record() writes: "unenforced" (a task inside its trainer's process,
+  // never signalled) and "bad" (its trainer found its slot corrupt) too.
+  for (const char* s : {"stop", "continue", "kill", "replace", "cancel", "unenforced", "bad"}) {
     auto it = actions_by_kind_.find(s);
     o += std::string("bubble_enforcement_actions_total{action=\"") + s + "\"} " +
          std::to_string(it == actions_by_kind_.end() ? 0 : it->second) + "\n";

@@ -50,6 +50,12 @@ constexpr uint64_t kLogBoundIntervalMs = 1000;
 constexpr uint64_t kRelaunchDelayMs = 1000;
 // How soon the rows whose save failed are written again.
 constexpr uint64_t kSaveRetryMs = 1000;
+// What a drain's reply adds when the database refused to keep it.
+constexpr const char* kNotSavedYet =
+    " (not saved yet: the database refused the write, and the agent tries again every second; "
+    "an agent restarted before it succeeds forgets this)";
+// Action records kept for the database while it refuses writes.
+constexpr size_t kMaxUnsavedActions = 10000;
 
 LiveTask* Agent::live(int64_t id) {
   auto it = live_.find(id);
@@ -81,12 +87,41 @@ bool Agent::save(const TaskRow& row) {
   agent_log("cannot save task #%lld: %s (trying again every second)",
             static_cast<long long>(row.id), store_.last_error().c_str());
   unsaved_.insert(row.id);
-  if (save_timer_ && !closing_ && !uv_is_active(reinterpret_cast<uv_handle_t*>(save_timer_)))
-    uv_timer_start(save_timer_, TaskCallbacks::on_save_timer, kSaveRetryMs, 0);
+  retry_saves_soon();
   return false;
 }
 
+bool Agent::save_meta(const std::string& key, const std::string& value) {
+  if (store_.set_meta(key, value)) {
+    unsaved_meta_.erase(key);
+    return true;
+  }
+  agent_log("cannot save the setting %s: %s (trying again every second)", key.c_str(),
+            store_.last_error().c_str());
+  unsaved_meta_[key] = value;  // the newest value is the one owed
+  retry_saves_soon();
+  return false;
+}
+
+void Agent::retry_saves_soon() {
+  if (save_timer_ && !closing_ && !uv_is_active(reinterpret_cast<uv_handle_t*>(save_timer_)))
+    uv_timer_start(save_timer_, TaskCallbacks::on_save_timer, kSaveRetryMs, 0);
+}
+
 void Agent::save_unsaved() {
+  // Settings first (a drain must outlive a restart), then actions in their order, then rows.
+  for (auto it = unsaved_meta_.begin(); it != unsaved_meta_.end();) {
+    if (!store_.set_meta(it->first, it->second)) return retry_saves_soon();
+    agent_log("saved the setting %s a failed write had left behind", it->first.c_str());
+    it = unsaved_meta_.erase(it);
+  }
+  size_t actions = 0;
+  while (!unsaved_actions_.empty()) {
+    if (!store_.insert_action(unsaved_actions_.front())) return retry_saves_soon();
+    unsaved_actions_.pop_front();
+    ++actions;
+  }
+  if (actions) agent_log("saved %zu action records a failed write had left behind", actions);
   const std::set<int64_t> ids = std::move(unsaved_);
   unsaved_.clear();
   size_t saved = 0;
@@ -95,9 +130,7 @@ void Agent::save_unsaved() {
     if (it == tasks_.end()) continue;  // deleted meanwhile
     if (!store_.update_task(it->second)) {
       unsaved_.insert(ids.begin(), ids.end());  // all still owed; one try a second
-      if (save_timer_ && !closing_)
-        uv_timer_start(save_timer_, TaskCallbacks::on_save_timer, kSaveRetryMs, 0);
-      return;
+      return retry_saves_soon();
     }
     // The exit file its end was read from was kept for this write (on_task_exit).
     const std::string& state = it->second.state;
@@ -118,8 +151,20 @@ void Agent::record(const TaskRow* row, pid_t pid, const std::string& hub,
   a.action = action;
   a.detail = detail;
   ++actions_by_kind_[action];
-  if (!store_.insert_action(a)) {
-    agent_log("cannot record action: %s", store_.last_error().c_str());
+  // Behind ones go first, so that actions stay in order.
+  if (!unsaved_actions_.empty() || !store_.insert_action(a)) {
+    if (unsaved_actions_.empty())
+      agent_log("cannot record an action: %s (trying again every second)",
+                store_.last_error().c_str());
+    // A task misbehaving without end while the database refuses writes: the oldest owed go.
+    if (unsaved_actions_.size() >= kMaxUnsavedActions) {
+      unsaved_actions_.pop_front();
+      if (unsaved_actions_dropped_++ == 0)
+        agent_log("more than %zu action records are owed to the database: the oldest are "
+                  "dropped (they stay in the log)", kMaxUnsavedActions);
+    }
+    unsaved_actions_.push_back(std::move(a));
+    retry_saves_soon();
   }
   // A task that keeps misbehaving without ever ending adds actions without end: trim them now
   // and then, not only when old tasks go.
@@ -702,14 +747,16 @@ std::string Agent::cancel(int64_t id, std::string* done, bool* not_found) {
 std::string Agent::drain(const std::string& hub_name, bool undo, std::string* done) {
   if (hub_name.empty()) {
     draining_ = !undo;
-    store_.set_meta("draining", draining_ ? "1" : "0");
+    const bool saved = save_meta("draining", draining_ ? "1" : "0");
     *done = draining_ ? "the agent is draining: running tasks go on, queued ones wait"
                       : "the agent launches queued tasks again";
+    if (!saved) *done += kNotSavedYet;
     schedule();
     return "";
   }
   // Kept across restarts like the agent's own drain: an upgrade must not put tasks back on a
   // hub the operator took out of service.
+  bool saved = true;
   auto remember = [&] {
     if (undo)
       drained_hubs_.erase(hub_name);
@@ -717,13 +764,14 @@ std::string Agent::drain(const std::string& hub_name, bool undo, std::string* do
       drained_hubs_.insert(hub_name);
     std::string list;
     for (const std::string& h : drained_hubs_) list += (list.empty() ? "" : "\n") + h;
-    store_.set_meta("drained_hubs", list);
+    saved = save_meta("drained_hubs", list);
   };
   auto it = hubs_.find(hub_name);
   if (it == hubs_.end()) {
     if (undo && drained_hubs_.count(hub_name)) {  // drained before a restart, not back yet
       remember();
       *done = "hub " + hub_name + " takes tasks again when it comes back";
+      if (!saved) *done += kNotSavedYet;
       return "";
     }
     return "no hub " + hub_name + ": see `bubblectl status` for the hubs the agent knows";
@@ -733,6 +781,7 @@ std::string Agent::drain(const std::string& hub_name, bool undo, std::string* do
   remember();
   if (undo) {
     *done = "hub " + hub_name + " takes tasks again";
+    if (!saved) *done += kNotSavedYet;
     schedule();
     return "";
   }
@@ -749,6 +798,7 @@ std::string Agent::drain(const std::string& hub_name, bool undo, std::string* do
   }
   *done = "hub " + hub_name + " is draining: " + std::to_string(moved) +
           " task(s) moving to other hubs";
+  if (!saved) *done += kNotSavedYet;
   return "";
 }
 
@@ -897,7 +947,7 @@ void Agent::settle_dead_tasks() {
     on_task_exit(raw, st);
   }
   settling_earlier_boot_ = false;
-  if (!boot_to_record_.empty()) store_.set_meta("boot_id", boot_to_record_);
+  if (!boot_to_record_.empty()) save_meta("boot_id", boot_to_record_);
   boot_to_record_.clear();
 }
 

@@ -530,3 +530,45 @@ def test_hubs_whose_trainers_went_away_are_kept_only_up_to_a_bound(env):
     assert len(names) <= 17, sorted(names)  # at most 16 gone ones, pruned as the next appears
     assert "run19:0" in names and "run18:0" in names  # the newest are kept
     assert "run0:0" not in names
+
+
+def test_bubblectl_checks_its_arguments_before_it_looks_for_an_agent(env):
+    """A usage error is a usage error (exit 2) whether or not an agent runs; sizes are decimal
+    numbers with a unit, never nan, hex or exponents."""
+    for args in (["list", "--bogus"], ["cancel", "abc"], ["submit", "--mem", "nan", "--", "/bin/true"],
+                 ["submit", "--mem", "0x10", "--", "/bin/true"],
+                 ["submit", "--mem", "1e3", "--", "/bin/true"], ["logs"]):
+        r = env.ctl(*args, check=False)  # no agent yet
+        assert r.returncode == 2, (args, r.returncode, r.stderr)
+        assert "no agent at" not in r.stderr, (args, r.stderr)
+    env.trainer("j", 0)
+    env.start_agent()
+    tid = env.submit("/bin/true", opts=("--mem", "1.5K"))
+    assert env.task(tid)["mem_need"] == 1536, env.task(tid)
+
+
+def test_bubblectl_ends_when_its_output_cannot_be_written(env):
+    """`bubblectl logs ID --follow | head` ends once head has gone (with SIGPIPE's status), not
+    when the task does; output that cannot be written otherwise (a full disk) is an error."""
+    env.trainer("j", 0)
+    env.start_agent()
+    tid = env.submit("/bin/sh", "-c", "while :; do echo tick; sleep 0.05; done")
+    env.wait_state(tid, "running")
+    r, w = os.pipe()
+    follow = subprocess.Popen([BUBBLECTL, "--socket", env.socket, "logs", str(tid), "--follow"],
+                              env=env.env, stdout=w, stderr=subprocess.PIPE)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as reader:
+            assert reader.read(5) == b"tick\n"
+        assert follow.wait(timeout=30) == 141
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.wait()
+    assert env.task(tid)["state"] == "running"
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([BUBBLECTL, "--socket", env.socket, "list"], env=env.env, stdout=full,
+                           stderr=subprocess.PIPE, text=True, timeout=30)
+    assert p.returncode == 1 and "cannot write the output" in p.stderr, (p.returncode, p.stderr)
+    env.ctl("cancel", str(tid))

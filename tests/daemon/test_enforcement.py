@@ -5,6 +5,7 @@ import signal
 import socket
 import sqlite3
 import subprocess
+import urllib.request
 
 import pytest
 
@@ -168,6 +169,11 @@ def test_a_task_inside_a_trainers_process_is_never_signalled(env, hub):
     kinds = [a.split()[4] for a in _actions_of(env, tid)]
     assert kinds == ["unenforced"], kinds
     assert env.task(tid)["state"] == "running"
+    # Counted in the metrics as well, as every kind of action is.
+    with urllib.request.urlopen(f"http://127.0.0.1:{env.status()['metrics_port']}/metrics",
+                                timeout=20) as r:
+        metrics = r.read().decode()
+    assert 'bubble_enforcement_actions_total{action="unenforced"} 1\n' in metrics, metrics
     # A cancel goes through the hub, never as a signal to the trainer.
     env.ctl("cancel", str(tid))
     before = env.hub(name)["bubbles"]

@@ -431,3 +431,32 @@ def test_a_hub_whose_trainer_is_stopped_is_observed_once_it_goes_on(env):
     t = env.task(tid)
     assert t["state"] == "running" and t["pid"] == ext.pid, t
     assert [x["id"] for x in env.tasks().values() if x["name"] == "outsider"] == [tid]
+
+
+def test_writes_the_database_refuses_are_kept_and_made_once_it_takes_them(env):
+    """A drain, and the actions and rows of a cancel, made while another process holds the
+    database's write lock are not lost: the drain's reply says it is not saved yet, and the agent
+    writes all of it once the lock is gone, so a restart then keeps the drain."""
+    env.trainer("j", 0)
+    env.start_agent()
+    wait_until("the hub", lambda: env.hub("j:0") is not None)
+    tid = env.submit(TASK_GOOD, "0")
+    env.wait_state(tid, "running")
+    db = sqlite3.connect(os.path.join(env.state, "bubbled.db"), timeout=30, isolation_level=None)
+    try:
+        db.execute("BEGIN IMMEDIATE")  # the agent's writes now fail after their busy timeout
+        out = env.ctl("drain").stdout
+        assert "not saved yet" in out, out
+        env.ctl("cancel", str(tid))
+        db.execute("ROLLBACK")
+        wait_until("the owed writes to be made", lambda: db.execute(
+            "SELECT value FROM meta WHERE key = 'draining'").fetchone() == ("1",))
+        wait_until("the cancel's action record", lambda: db.execute(
+            "SELECT COUNT(*) FROM actions WHERE task = ? AND action = 'cancel'",
+            (tid,)).fetchone()[0] >= 1)
+    finally:
+        db.close()
+    assert env.wait_state(tid, ("cancelled", "killed"))["state"] in ("cancelled", "killed")
+    env.kill_agent(signal.SIGTERM)
+    env.start_agent()
+    assert env.status()["draining"], env.status()
