@@ -370,7 +370,7 @@ enum class Peek { kGot, kNotYet, kOverwritten };
 Peek peek_event(const shm::HubView& hub, shm::EventStream stream, uint64_t at, Event* ev) {
   const uint32_t capacity = hub.header()->event_capacity;
   const shm::EventEntry& e = hub.event_entries(stream)[at & (capacity - 1)];
-  const uint32_t want = uint32_t(at + 1);
+  const uint32_t want = shm::event_commit(at);
   const uint32_t c0 = e.commit.load(std::memory_order_acquire);
   if (c0 != want) {
     // 0: the writer is rewriting it a lap later; a later index: rewritten already.

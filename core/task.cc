@@ -343,10 +343,14 @@ void Task::push_report(shm::ReportType type, uint64_t a, uint64_t b, uint64_t ts
   // Steps fill at most half of the ring: the rest stays free for the reports that cannot be
   // folded together (STARTED, PAUSED, FINISHED), so a task stepping faster than the hub service
   // drains loses none of those. Steps past that are folded into one report until there is room.
-  const uint32_t keep_free = type == shm::ReportType::kStep ? shm::kReportRingSize / 2 : 0;
-  const bool flushed = flush_steps(keep_free);
-  if (flushed && shm::ring_push(page_->reports, ctl_->report_head, report_cached_head_, r,
-                                keep_free) == shm::RingStatus::kOk)
+  // Folded steps are steps too: they never take the room kept for the others, and a report
+  // of another kind goes in even when they cannot (they follow it once there is room).
+  const bool step = type == shm::ReportType::kStep;
+  const uint32_t keep_free = step ? shm::kReportRingSize / 2 : 0;
+  const bool flushed = flush_steps(shm::kReportRingSize / 2);
+  if ((flushed || !step) && shm::ring_push(page_->reports, ctl_->report_head,
+                                           report_cached_head_, r, keep_free) ==
+                                shm::RingStatus::kOk)
     return;
   if (type == shm::ReportType::kStep && pending_steps_.count < UINT16_MAX) {
     if (pending_steps_.count == 0) {
@@ -424,6 +428,9 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
     // A start not taken yet: its block (on the line of the bell just read) is stable until we
     // ack its epoch.
     const uint32_t given = ctl_->given_epoch.load(std::memory_order_acquire);
+    // A start given to the slot's next task (we were dropped after the look above): the
+    // trainer wrote that task's generation before it gave the start, so this acquire shows it.
+    if (given != 0 && slot_reused()) continue;  // the look at the loop's top loses the slot
     if (given != 0 && given != page_->acked_epoch.load(std::memory_order_relaxed)) {
       if (ctl_->run_epoch.load(std::memory_order_acquire) != given) {
         // The bubble ended before we saw its start (a wake-up that came late). It is still a
@@ -845,6 +852,10 @@ bb_status Task::sync_grant(unsigned what) {
   if (grant_synced_ && change == grant_seen_) return BB_OK;
   GrantWords w;
   if (!read_grant(ctl_, &w)) return BB_OK;  // mid-update: the next look sees it
+  // Words written for the slot's next task (we were dropped since the caller's look; the
+  // trainer writes the generation before them, and read_grant's acquire makes it visible): not
+  // ours to map, a cuda-ipc grant least of all. The caller's next look at the slot finds out.
+  if (slot_reused()) return BB_OK;
   const uint64_t held = grant_id_;
   bool done = true;  // everything the words ask has been done
   if (held != 0 && (w.revoke_id == held || w.grant_id != held)) {

@@ -1150,6 +1150,12 @@ void Trainer::handle_observer_request(Conn& c) {
   int fd = -1;
   if (stop) {
     r.status = stop_slot(id);
+  } else if (c.uid != uint32_t(geteuid()) && c.uid != 0) {
+    // The page's descriptor can write (its task writes it): across uids it would let the
+    // allow_uid user write any task's acks, grant words and reports. Within one uid a process
+    // can reach the trainer's descriptors through /proc anyway.
+    r.status = fail(BB_E_PERMISSION, "task pages go only to the trainer's own uid (and root), "
+                    "not to uid %u: run the observer as the trainer's user", c.uid);
   } else if (q.slot < opts_.max_slots && slots_[q.slot].generation == q.generation &&
              slots_[q.slot].state.load() == uint32_t(SlotState::kActive) && !slots_[q.slot].pending_free) {
     r.status = BB_OK;
@@ -1158,7 +1164,11 @@ void Trainer::handle_observer_request(Conn& c) {
     r.status = fail(BB_E_NOT_FOUND, "task id %llu is not attached", (unsigned long long)id);
   }
   if (r.status != BB_OK) std::snprintf(r.error, sizeof r.error, "%s", last_error());
-  shm::send_msg(c.fd.get(), &r, sizeof r, fd >= 0 ? &fd : nullptr, fd >= 0 ? 1 : 0);
+  // An observer pairs answers with its requests by their order: one it does not get (its
+  // socket full, say) would shift every later answer onto the wrong request. It is dropped
+  // instead, sees the end, and opens again.
+  if (shm::send_msg(c.fd.get(), &r, sizeof r, fd >= 0 ? &fd : nullptr, fd >= 0 ? 1 : 0) != 0)
+    return drop();
 }
 
 void Trainer::reclaim(uint32_t i, bool died) {

@@ -119,7 +119,7 @@ void EventWriter::append(EventKind kind, uint16_t slot, uint64_t ts_ns, uint64_t
   e.ts_ns.store(ts_ns, std::memory_order_relaxed);
   e.a.store(a, std::memory_order_relaxed);
   e.b.store(b, std::memory_order_relaxed);
-  e.commit.store(uint32_t(idx + 1), std::memory_order_release);
+  e.commit.store(event_commit(idx), std::memory_order_release);
   log->next.store(idx + 1, std::memory_order_release);
 }
 

@@ -5,7 +5,8 @@
 //   - the hub segment is written by the trainer process only and is mapped read-only into tasks
 //     (a memfd sealed with F_SEAL_FUTURE_WRITE, so it cannot be remapped writable);
 //   - each task writes only its own TaskPage, a separate memfd the trainer maps read-only and
-//     validates on every read.
+//     validates on every read (and hands to observers of its own uid only: its descriptor can
+//     write).
 // Bump kLayoutVersion on any change to these structs.
 #pragma once
 
@@ -236,8 +237,11 @@ enum class EventStream : uint32_t {
 };
 constexpr uint32_t kEventStreams = 2;
 
-// `commit` is written last: (index + 1) low 32 bits. Readers check it before and after copying
-// the entry, so one being rewritten a lap later is skipped rather than torn.
+// `commit` is written last: event_commit(index). Readers check it before and after copying
+// the entry, so one being rewritten a lap later is skipped rather than torn. The writer stores 0
+// while it rewrites an entry, so no committed entry may carry 0: the value runs 1..2^32-1
+// (index + 1 modulo 2^32 - 1), where index + 1's low 32 bits are 0 once every 2^32 entries.
+inline uint32_t event_commit(uint64_t index) { return uint32_t(index % 0xffffffffu) + 1; }
 struct alignas(32) EventEntry {
   std::atomic<uint32_t> commit;
   // Atomic (relaxed) because the writer may rewrite the entry while a reader copies it.

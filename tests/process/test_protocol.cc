@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <cstring>
+#include <chrono>
 #include <thread>
 
 #include "core/paths.h"
@@ -174,5 +175,68 @@ TEST_CASE("hub_segment_cannot_be_made_writable_by_a_task") {
   close(fds[0]);
   close(fds[1]);
   close(c);
+  bb_trainer_close(t);
+}
+
+TEST_CASE("an_observer_whose_answers_do_not_fit_its_socket_is_dropped_never_answered_out_of_order") {
+  // An observer pairs each answer with its request by their order. Answers the trainer cannot
+  // send (the observer's socket is full) must not be skipped, which would put every later answer
+  // on the wrong request: the connection is dropped instead, and the observer sees its end.
+  RuntimeDir dir;
+  bb_trainer_h t = nullptr;
+  REQUIRE(bb_trainer_open("flood", 0, nullptr, &t) == BB_OK);
+  bb_task_h task = nullptr;
+  REQUIRE(bb_task_attach("flood", 0, "paged", nullptr, &task) == BB_OK);
+  bb_task_info_t info{sizeof info};
+  size_t count = 0;
+  REQUIRE(bbtest::eventually([&] {
+    return bb_trainer_tasks(t, &info, 1, &count) == BB_OK && count == 1;
+  }));
+  std::string sock;
+  REQUIRE(bb::core::hub_paths(dir.path(), "flood", 0, &sock, nullptr) == BB_OK);
+  const int c = connect_to(sock);
+  auto hello = bb::shm::make_msg<bb::shm::AttachObserverMsg>(bb::shm::MsgType::kAttachObserver);
+  REQUIRE(bb::shm::send_msg(c, &hello, sizeof hello, nullptr, 0) == 0);
+  alignas(8) char buf[bb::shm::kWireMaxMessage];
+  int fds[2], nfds = 0;
+  long n = bb::shm::recv_msg(c, buf, fds, &nfds);
+  for (int i = 0; i < nfds; ++i) close(fds[i]);
+  REQUIRE(bb::shm::check_msg(buf, n, bb::shm::MsgType::kAttachReply,
+                             sizeof(bb::shm::AttachReplyMsg)));
+  // Far more requests than a socket queues answers for (net.unix.max_dgram_qlen, 10 by
+  // default), none read meanwhile.
+  constexpr int kRequests = 200;
+  auto q = bb::shm::make_msg<bb::shm::SlotRequestMsg>(bb::shm::MsgType::kGetTaskPage);
+  q.slot = uint32_t(info.id & 0xffffffffu);
+  q.generation = uint32_t(info.id >> 32);
+  int sent = 0;
+  for (; sent < kRequests; ++sent)
+    if (bb::shm::send_msg(c, &q, sizeof q, nullptr, 0, MSG_DONTWAIT) != 0) break;
+  REQUIRE(sent > 20);
+  // Give the trainer time to answer what it can (the outcome checked holds either way).
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  timeval tv{5, 0};
+  setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  int answers = 0;
+  bool ended = false;
+  for (;;) {
+    n = bb::shm::recv_msg(c, buf, fds, &nfds);
+    for (int i = 0; i < nfds; ++i) close(fds[i]);
+    if (n == 0 || n == -ECONNRESET) {
+      ended = true;
+      break;
+    }
+    if (n < 0) break;  // the timeout: neither all answers nor the end
+    REQUIRE(bb::shm::check_msg(buf, n, bb::shm::MsgType::kReply, sizeof(bb::shm::ReplyMsg)));
+    bb::shm::ReplyMsg r;
+    std::memcpy(&r, buf, sizeof r);
+    CHECK(r.status == BB_OK);
+    CHECK(nfds == 1);
+    if (++answers == sent) break;
+  }
+  INFO("sent " << sent << ", answered " << answers);
+  CHECK((answers == sent || ended));
+  close(c);
+  bb_task_detach(task);
   bb_trainer_close(t);
 }

@@ -3,6 +3,7 @@
 //   bb_security_probe attach-api RUNTIME_DIR JOB RANK   bb_task_attach through the C ABI
 //   bb_security_probe attach-raw SOCKET                  a task's attach at the wire level
 //   bb_security_probe observe-raw SOCKET                 an observer's attach at the wire level
+//   bb_security_probe page-raw SOCKET SLOT GENERATION    an observer asking for a task's page
 //   bb_security_probe open PATH                          open(PATH, O_RDONLY)
 //
 // Prints one line: "RESULT <outcome> <detail>", where outcome is a bb_status name, "fds=<n>"
@@ -12,6 +13,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -29,14 +31,26 @@ int result_errno(const char* what) {
   return 0;
 }
 
-int wire(const char* path, bool task) {
+// A connection to the hub socket with a 10 s receive timeout; -1 (errno set) on failure.
+int connect_to(const char* path) {
   int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
   sockaddr_un a{};
   a.sun_family = AF_UNIX;
   std::snprintf(a.sun_path, sizeof a.sun_path, "%s", path);
-  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) return result_errno("connect");
+  if (connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+    const int e = errno;
+    close(fd);
+    errno = e;
+    return -1;
+  }
   timeval tv{10, 0};
   setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  return fd;
+}
+
+int wire(const char* path, bool task) {
+  const int fd = connect_to(path);
+  if (fd < 0) return result_errno("connect");
   int sent;
   if (task) {
     auto m = bb::shm::make_msg<bb::shm::AttachTaskMsg>(bb::shm::MsgType::kAttachTask);
@@ -71,6 +85,42 @@ int wire(const char* path, bool task) {
   return 0;
 }
 
+// Attaches as an observer and asks for the page of the task in slot/generation; says whether a
+// descriptor came and whether it maps writable.
+int page(const char* path, uint32_t slot, uint32_t generation) {
+  const int fd = connect_to(path);
+  if (fd < 0) return result_errno("connect");
+  auto m = bb::shm::make_msg<bb::shm::AttachObserverMsg>(bb::shm::MsgType::kAttachObserver);
+  if (bb::shm::send_msg(fd, &m, sizeof m, nullptr, 0) != 0) return result_errno("send");
+  alignas(8) char buf[bb::shm::kWireMaxMessage];
+  int fds[2], nfds = 0;
+  long n = bb::shm::recv_msg(fd, buf, fds, &nfds);
+  for (int i = 0; i < nfds; ++i) close(fds[i]);
+  if (!bb::shm::check_msg(buf, n, bb::shm::MsgType::kAttachReply, sizeof(bb::shm::AttachReplyMsg)))
+    return std::printf("RESULT no-attach-reply\n"), 0;
+  auto q = bb::shm::make_msg<bb::shm::SlotRequestMsg>(bb::shm::MsgType::kGetTaskPage);
+  q.slot = slot;
+  q.generation = generation;
+  if (bb::shm::send_msg(fd, &q, sizeof q, nullptr, 0) != 0) return result_errno("send");
+  n = bb::shm::recv_msg(fd, buf, fds, &nfds);
+  if (!bb::shm::check_msg(buf, n, bb::shm::MsgType::kReply, sizeof(bb::shm::ReplyMsg)))
+    return std::printf("RESULT no-reply\n"), 0;
+  bb::shm::ReplyMsg r;
+  std::memcpy(&r, buf, sizeof r);
+  r.error[sizeof r.error - 1] = 0;
+  bool writable = false;
+  if (nfds > 0) {
+    void* p = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fds[0], 0);
+    writable = p != MAP_FAILED;
+    if (writable) munmap(p, 4096);
+  }
+  for (int i = 0; i < nfds; ++i) close(fds[i]);
+  std::printf("RESULT %s fds=%d%s %s\n", bb_status_name(bb_status(r.status)), nfds,
+              writable ? " writable" : "", r.error);
+  close(fd);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -89,6 +139,9 @@ int main(int argc, char** argv) {
   }
   if ((cmd == "attach-raw" || cmd == "observe-raw") && argc == 3)
     return wire(argv[2], cmd == "attach-raw");
+  if (cmd == "page-raw" && argc == 5)
+    return page(argv[2], uint32_t(std::strtoul(argv[3], nullptr, 10)),
+                uint32_t(std::strtoul(argv[4], nullptr, 10)));
   if (cmd == "open" && argc == 3) {
     const int fd = open(argv[2], O_RDONLY | O_CLOEXEC);
     if (fd < 0) return result_errno("open");
@@ -99,6 +152,6 @@ int main(int argc, char** argv) {
     return 0;
   }
   std::fprintf(stderr, "usage: %s attach-api DIR JOB RANK | attach-raw SOCK | observe-raw SOCK | "
-               "open PATH\n", argv[0]);
+               "page-raw SOCK SLOT GENERATION | open PATH\n", argv[0]);
   return 64;
 }

@@ -200,6 +200,33 @@ TEST_CASE("allow_uid_admits_that_uid_and_no_other") {
   CHECK_MESSAGE(has(other, "uid 65533 may not attach"), "refused without its reason: " << other);
 }
 
+TEST_CASE("an_allowed_uid_gets_no_task_page_it_could_write") {
+  // A task page's descriptor can write: given to the allow_uid user it would let that user
+  // forge any task's acks, grant words and reports. The trainer's own uid still gets it.
+  if (!root()) return;
+  RuntimeDir dir;
+  Hub hub(dir, "pages", kNobody);
+  open_up(dir, hub.sock);
+  bb_task_h t = nullptr;
+  REQUIRE(bb_task_attach("pages", 0, "victim", nullptr, &t) == BB_OK);
+  REQUIRE(bbtest::eventually([&] { return hub.attached() == 1; }));
+  bb_task_info_t info{sizeof info};
+  size_t count = 0;
+  REQUIRE(bb_trainer_tasks(hub.h, &info, 1, &count) == BB_OK);
+  REQUIRE(count == 1);
+  const std::vector<std::string> args = {"page-raw", hub.sock, std::to_string(info.id & 0xffffffffu),
+                                         std::to_string(info.id >> 32)};
+  const std::string guest = as_nobody(args);
+  CHECK_MESSAGE(has(guest, "RESULT BB_E_PERMISSION fds=0"), guest);
+  CHECK_MESSAGE(has(guest, "task pages go only to the trainer's own uid"), guest);
+  // The owner (root here) still gets it, as the agent does.
+  Child owner({reachable_probe(), "page-raw", hub.sock, args[2], args[3]});
+  const std::string own = owner.wait_line("RESULT", 20000);
+  owner.wait_exit(10000);
+  CHECK_MESSAGE(has(own, "RESULT BB_OK fds=1"), own);
+  bb_task_detach(t);
+}
+
 TEST_CASE("another_uid_cannot_open_the_trainers_memory_through_proc") {
   if (!root()) return;
   RuntimeDir dir;

@@ -109,6 +109,26 @@ TEST_CASE("layout_event_log_keeps_the_newest_entries") {
   CHECK(e.a == 99);
 }
 
+TEST_CASE("layout_no_committed_event_reads_as_being_rewritten") {
+  // A writer rewriting an entry stores commit 0 first; the entry of index 2^32 - 1 must not
+  // commit as 0 too (index + 1's low bits), or a reader would take a torn copy of it.
+  Hub h(4, 64);
+  HubView v{h.base()};
+  v.events(EventStream::kService)->next.store(0xfffffffeull);
+  EventWriter w;
+  w.attach(v, EventStream::kService);
+  for (uint64_t i = 0; i < 3; ++i) w.append(EventKind::kTaskStep, 1, i, i, 0);
+  const EventEntry* ring = v.event_entries(EventStream::kService);
+  uint32_t seen[3];
+  for (uint64_t i = 0; i < 3; ++i) {
+    seen[i] = ring[(0xfffffffeull + i) & 63].commit.load();
+    CHECK(seen[i] != 0);
+    CHECK(seen[i] == event_commit(0xfffffffeull + i));
+  }
+  CHECK(seen[0] != seen[1]);
+  CHECK(seen[1] != seen[2]);
+}
+
 TEST_CASE("layout_event_streams_are_separate_rings") {
   Hub h(4, 64);
   HubView v{h.base()};
