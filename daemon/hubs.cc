@@ -473,6 +473,7 @@ bool Agent::adoptable(pid_t pid) const {
 
 void Agent::reconcile_tasks(Hub* hub) {
   std::set<uint64_t> present;
+  std::set<int64_t> summed;  // rows whose figures this snapshot has restarted
   // Harvested time from the hub's own total, which also counts a task that ended between two
   // snapshots. A new trainer on the same hub name starts its total from zero.
   const uint64_t total = hub->snap.task_ns_in_bubbles;
@@ -529,15 +530,20 @@ void Agent::reconcile_tasks(Hub* hub) {
     auto rit = tasks_.find(rid);
     if (rit != tasks_.end()) {
       TaskRow& row = rit->second;
-      row.steps = t.steps;
-      row.ns_in_bubbles = t.ns_in_bubbles;
-      row.ns_outside = t.ns_outside;
+      // A process may hold several slots of the hub, all one row: its figures are their sum.
+      if (summed.insert(rid).second) row.steps = row.ns_in_bubbles = row.ns_outside = 0;
+      row.steps += t.steps;
+      row.ns_in_bubbles += t.ns_in_bubbles;
+      row.ns_outside += t.ns_outside;
       if (row.origin == "attached") {
         if (t.state == core::TaskRunState::kFailed) row.message = "reported failure";
         if (t.state == core::TaskRunState::kFinished) row.message = "reported it finished";
       }
     }
   }
+  std::set<int64_t> still_held;  // rows one of whose slots is still on the hub
+  for (const auto& [hid, rid] : hub->task_rows)
+    if (present.count(hid)) still_held.insert(rid);
   for (auto it = hub->task_rows.begin(); it != hub->task_rows.end();) {
     if (present.count(it->first)) {
       ++it;
@@ -552,8 +558,9 @@ void Agent::reconcile_tasks(Hub* hub) {
       continue_stopped(&rit->second, hub->name,
                        "its slot left hub " + hub->name + " while it was stopped");
     }
+    // A process that left one of its slots and keeps another has not detached.
     if (rit != tasks_.end() && rit->second.origin == "attached" &&
-        !state_is_final(rit->second.state)) {
+        !state_is_final(rit->second.state) && !still_held.count(it->second)) {
       TaskRow& row = rit->second;
       bool failed = row.message == "reported failure";
       finish_row(&row, failed ? "failed" : "finished", "detached from hub " + hub->name);

@@ -52,8 +52,13 @@ size_t fit_list(std::vector<TaskRow>* rows, const ListBudget& budget, size_t max
   if (total <= budget.total) return 0;
   std::vector<size_t> idx(rows->size());
   for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
-  std::sort(idx.begin(), idx.end(),
-            [&](size_t x, size_t y) { return (*rows)[x].id > (*rows)[y].id; });
+  // Tasks not yet ended first (`bubblectl wait` looks for them in this list, and an old queued
+  // or running task left out would read as gone), then the newest ended ones.
+  std::sort(idx.begin(), idx.end(), [&](size_t x, size_t y) {
+    const bool ex = state_is_final((*rows)[x].state), ey = state_is_final((*rows)[y].state);
+    if (ex != ey) return !ex;
+    return (*rows)[x].id > (*rows)[y].id;
+  });
   std::vector<bool> keep(rows->size(), false);
   total = 0;
   for (size_t i : idx) {

@@ -229,8 +229,10 @@ std::string Agent::render_metrics() {
     if (!h->alive) continue;
     for (const auto& t : h->snap.tasks) {
       auto rit = h->task_rows.find(t.id);
+      // The slot tells apart two slots of one process (one row), or two tasks not adopted.
       std::string labels = "{task=\"" + label(t.name) + "\",hub=\"" + label(n) + "\",id=\"" +
-                           std::to_string(rit != h->task_rows.end() ? rit->second : 0) + "\"}";
+                           std::to_string(rit != h->task_rows.end() ? rit->second : 0) +
+                           "\",slot=\"" + std::to_string(t.slot) + "\"}";
       o += "bubble_side_task_seconds_total" + labels + " " + num(t.ns_in_bubbles / 1e9) + "\n";
       outside += "bubble_side_task_outside_seconds_total" + labels + " " +
                  num(t.ns_outside / 1e9) + "\n";

@@ -4,9 +4,12 @@
  * usage: task_good [STEPS [STEP_US [LINGER_S]]]   (STEPS 0 = run until stopped; LINGER_S: stay
  * alive that many seconds after detaching, as a process that goes on without its hub). SIGUSR1
  * ends its run at the next step, as if its work were done. It prints each grant its steps are
- * given (BUBBLE_MEM_NEED asks for one). */
+ * given (BUBBLE_MEM_NEED asks for one). BUBBLE_SECOND_SLOT=1: the process also holds a second
+ * slot of the hub (task name "second"), run on a thread until SIGUSR2, then detached (printing
+ * "second detached") once the first slot has left. */
 #include <bubble/bubble.h>
 
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,11 +18,33 @@
 
 static unsigned long long g_steps, g_done;
 static unsigned long long g_step_ns;
-static volatile sig_atomic_t g_done_asked;
+static volatile sig_atomic_t g_done_asked, g_second_asked;
 
 static void on_usr1(int sig) {
   (void)sig;
   g_done_asked = 1;
+}
+
+static void on_usr2(int sig) {
+  (void)sig;
+  g_second_asked = 1;
+}
+
+static int second_step(void *user, const bb_step_info_t *info) {
+  (void)user;
+  (void)info;
+  uint64_t end = bb_now_ns() + 100000;
+  while (bb_now_ns() < end) {
+  }
+  return g_second_asked ? BB_STEP_DONE : BB_STEP_CONTINUE;
+}
+
+static void *run_second(void *task) {
+  bb_task_callbacks_t cbs;
+  bb_task_callbacks_init(&cbs);
+  cbs.step = second_step;
+  bb_task_run((bb_task_h)task, &cbs);
+  return NULL;
 }
 
 static int step(void *user, const bb_step_info_t *info) {
@@ -61,6 +86,20 @@ int main(int argc, char **argv) {
   }
   printf("attached to %s:%s\n", job, rank);
   fflush(stdout);
+  bb_task_h second = NULL;
+  pthread_t second_thread;
+  if (getenv("BUBBLE_SECOND_SLOT")) {
+    bb_task_options_t o2;
+    bb_task_options_init(&o2);
+    signal(SIGUSR2, on_usr2);
+    if (bb_task_attach(job, (uint32_t)strtoul(rank, NULL, 10), "second", &o2, &second) != BB_OK ||
+        pthread_create(&second_thread, NULL, run_second, second) != 0) {
+      fprintf(stderr, "task_good: second slot: %s\n", bb_last_error());
+      return 3;
+    }
+    printf("second attached\n");
+    fflush(stdout);
+  }
   bb_task_callbacks_t cbs;
   bb_task_callbacks_init(&cbs);
   cbs.step = step;
@@ -70,7 +109,13 @@ int main(int argc, char **argv) {
   if (argc > 3) {
     printf("detached\n");
     fflush(stdout);
-    sleep((unsigned)strtoul(argv[3], NULL, 10));
   }
+  if (second) {
+    pthread_join(second_thread, NULL);
+    bb_task_detach(second);
+    printf("second detached\n");
+    fflush(stdout);
+  }
+  if (argc > 3) sleep((unsigned)strtoul(argv[3], NULL, 10));
   return st == BB_OK ? 0 : st == BB_E_STOPPED ? 0 : 4;
 }

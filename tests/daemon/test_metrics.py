@@ -36,7 +36,7 @@ def test_metrics_endpoint_answers_and_counters_move(env):
 
     tid = env.submit(TASK_GOOD, "0", opts=("--name", "harvester"))
     env.wait_state(tid, "running")
-    lbl = f'{{task="harvester",hub="j:0",id="{tid}"}}'
+    lbl = f'{{task="harvester",hub="j:0",id="{tid}",slot="0"}}'  # the hub's first task: slot 0
     wait_until("the side task's bubble time to appear and grow",
                lambda: (value(scrape(port), "bubble_side_task_seconds_total", lbl) or 0) > 0)
     text = scrape(port)

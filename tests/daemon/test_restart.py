@@ -460,3 +460,30 @@ def test_writes_the_database_refuses_are_kept_and_made_once_it_takes_them(env):
     env.kill_agent(signal.SIGTERM)
     env.start_agent()
     assert env.status()["draining"], env.status()
+
+
+def test_a_process_holding_two_slots_ends_only_when_it_has_left_both(env):
+    """A process that attached two slots of one hub is one task row: leaving one of them is not
+    detaching, and its figures are both slots'."""
+    env.trainer("j", 0)
+    env.start_agent()
+    out = os.path.join(env.root, "two.out")
+    ext = env.spawn([TASK_GOOD, "0", "200", "600"], "two.out",
+                    env=dict(env.env, BUBBLE_JOB="j", BUBBLE_RANK="0", BUBBLE_TASK_NAME="two",
+                             BUBBLE_SECOND_SLOT="1"))
+    wait_until("both slots attached", lambda: env.hub("j:0")["tasks"] == 2)
+    t = wait_until("the process to be adopted",
+                   lambda: [t for t in env.tasks().values() if t["name"] == "two"])[0]
+    assert len([r for r in env.tasks().values() if r["pid"] == ext.pid]) == 1  # one row
+    wait_until("steps of both slots", lambda: env.task(t["id"])["steps"] > 0)
+    ext.send_signal(signal.SIGUSR1)  # the first slot's work is done: it detaches
+    wait_until("the first slot to leave", lambda: "detached" in open(out).read())
+    wait_until("the hub to show one slot", lambda: env.hub("j:0")["tasks"] == 1)
+    before = env.hub("j:0")["bubbles"]
+    wait_until("more bubbles", lambda: env.hub("j:0")["bubbles"] > before + 20)
+    assert env.task(t["id"])["state"] == "running", env.task(t["id"])
+    ext.send_signal(signal.SIGUSR2)
+    wait_until("the second slot to leave", lambda: "second detached" in open(out).read())
+    t = env.wait_state(t["id"], ("finished", "failed", "lost"))
+    assert t["state"] == "finished" and "detached from hub j:0" in t["message"], t
+    assert ext.poll() is None

@@ -755,6 +755,27 @@ TaskRow row_with_args(int64_t id, size_t args, size_t arg_bytes) {
 }
 }  // namespace
 
+TEST_CASE("list_fit_leaves_out_ended_rows_before_an_old_task_that_still_runs") {
+  std::vector<TaskRow> rows;
+  for (int64_t id = 1; id <= 40; ++id) {
+    rows.push_back(row_with_args(id, 0, 0));
+    rows.back().state = id == 2 ? "running" : id == 3 ? "queued" : "finished";
+  }
+  // Room for about ten records.
+  const ListBudget budget{1u << 20, 10 * 420};
+  const size_t omitted = fit_list(&rows, budget, 16);
+  CHECK(omitted > 0);
+  bool running = false, queued = false;
+  for (const TaskRow& r : rows) {
+    running |= r.id == 2;
+    queued |= r.id == 3;
+  }
+  CHECK(running);
+  CHECK(queued);
+  for (size_t i = 1; i < rows.size(); ++i) CHECK(rows[i - 1].id < rows[i].id);  // order kept
+  CHECK(rows.back().id == 40);
+}
+
 TEST_CASE("list_fit_keeps_everything_under_the_budget") {
   std::vector<TaskRow> rows;
   for (int64_t id = 1; id <= 10; ++id) rows.push_back(row_with_args(id, 2, 100));
