@@ -218,7 +218,7 @@ uint64_t GrantLender::address(uint64_t grant_id) const {
 
 bb_status GrantLender::read(uint64_t grant_id, uint64_t offset, void* dst, uint64_t bytes,
                            std::string* error) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   const Record* r = find_locked(grant_id);
   if (!r || r->state == GrantState::kQuarantined) {
     *error = "grant " + std::to_string(grant_id) + (r ? " could not be given back (quarantined)"
@@ -234,8 +234,31 @@ bb_status GrantLender::read(uint64_t grant_id, uint64_t offset, void* dst, uint6
     return BB_E_INVALID;
   }
   if (bytes == 0) return BB_OK;
-  // Under the lock, so that no release() unmaps the range while the copy runs.
-  return exporter_->read(r->grant.offset + offset, dst, bytes, error);
+  // Under the lock, so that no release() unmaps the range while the copy runs; a piece at a
+  // time, so that the hub's service thread (whose grant work takes this lock) waits at most one
+  // piece. A grant released between two pieces ends the copy with BB_E_NOT_FOUND.
+  constexpr uint64_t kPiece = 4ull << 20;
+  const uint64_t first = r->grant.offset, size = r->grant.size;
+  for (uint64_t done = 0; done < bytes;) {
+    if (done != 0) {
+      lock.unlock();
+      lock.lock();
+      const Record* again = find_locked(grant_id);
+      if (!again || again->state == GrantState::kQuarantined || again->grant.offset != first ||
+          again->grant.size != size) {
+        *error = "grant " + std::to_string(grant_id) + " was given back during the copy (its "
+                 "task left or died): only its first " + std::to_string(done) + " bytes were "
+                 "copied";
+        return BB_E_NOT_FOUND;
+      }
+    }
+    const uint64_t n = std::min(kPiece, bytes - done);
+    const bb_status st =
+        exporter_->read(first + offset + done, static_cast<char*>(dst) + done, n, error);
+    if (st != BB_OK) return st;
+    done += n;
+  }
+  return BB_OK;
 }
 
 uint64_t GrantLender::next_id() const {

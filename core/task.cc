@@ -112,6 +112,9 @@ void Task::release() {
   // task that leaves holding one may be killed by the trainer, since it might go on using it.
   // That includes leaving because the trainer is closing: it waits for its memory to come back.
   if (sock_ && ctl_) {
+    // Folded steps still owed: in now, or counted as dropped.
+    if (!flush_steps(0)) page_->dropped.fetch_add(pending_steps_.count, std::memory_order_relaxed);
+    pending_steps_.count = 0;
     (void)drop_grant();
     GrantWords w;
     if (read_grant(ctl_, &w) && w.grant_id != 0 && w.grant_id != grant_id_ &&
@@ -350,8 +353,10 @@ void Task::push_report(shm::ReportType type, uint64_t a, uint64_t b, uint64_t ts
   const bool flushed = flush_steps(shm::kReportRingSize / 2);
   if ((flushed || !step) && shm::ring_push(page_->reports, ctl_->report_head,
                                            report_cached_head_, r, keep_free) ==
-                                shm::RingStatus::kOk)
+                                shm::RingStatus::kOk) {
+    if (!flushed) flush_steps(shm::kReportRingSize / 2);  // once there is room; release() last
     return;
+  }
   if (type == shm::ReportType::kStep && pending_steps_.count < UINT16_MAX) {
     if (pending_steps_.count == 0) {
       pending_steps_ = r;

@@ -401,7 +401,7 @@ int cmd_list(Client& c, const std::vector<std::string>& args) {
   auto list = r->getRoot<proto::Response>().getList();
   if (const uint32_t omitted = r->getRoot<proto::Response>().getOmitted())
     fprintf(stderr,
-            "bubblectl: the %u oldest task records were left out to keep the reply inside one "
+            "bubblectl: the %u task records that ended longest ago were left out to keep the reply inside one "
             "message; they stay in the agent's records (list without --all shows only queued "
             "and live tasks)\n",
             omitted);

@@ -57,6 +57,10 @@ size_t fit_list(std::vector<TaskRow>* rows, const ListBudget& budget, size_t max
   std::sort(idx.begin(), idx.end(), [&](size_t x, size_t y) {
     const bool ex = state_is_final((*rows)[x].state), ey = state_is_final((*rows)[y].state);
     if (ex != ey) return !ex;
+    // Ended ones by when they ended: a long task that has just ended is still wanted (its
+    // `wait`), a short one that ended long ago less so.
+    if (ex && (*rows)[x].ended_at != (*rows)[y].ended_at)
+      return (*rows)[x].ended_at > (*rows)[y].ended_at;
     return (*rows)[x].id > (*rows)[y].id;
   });
   std::vector<bool> keep(rows->size(), false);

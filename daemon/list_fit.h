@@ -13,8 +13,8 @@ struct ListBudget {
   // Past this many bytes of argv and environment, records keep only their command (argv[0])
   // and their message says so; the newest records keep theirs first.
   size_t specs = 4u << 20;
-  // Past this many bytes of records in all, the oldest ended rows are left out (then, were the
-  // live ones alone too many, the oldest of those).
+  // Past this many bytes of records in all, the rows that ended longest ago are left out (then,
+  // were the live ones alone too many, the oldest of those).
   size_t total = 12u << 20;
 };
 

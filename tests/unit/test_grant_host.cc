@@ -288,6 +288,15 @@ TEST_CASE("host: a live grant's bytes are copied out, a released one's never") {
     REQUIRE(l->release(g.id, &err) == BB_OK);
     CHECK(l->read(g.id, 0, out.data(), 4, &err) == BB_E_NOT_FOUND);
     CHECK(err.find("its task gave it back, left or died") != std::string::npos);
+    // Larger than one piece (4 MiB): copied whole, piece after piece.
+    auto big = host_lender(16ull << 20);
+    Grant b;
+    REQUIRE_MESSAGE(big->grant(10ull << 20, 1, &b, &err) == BB_OK, err);
+    auto* bw = reinterpret_cast<uint32_t*>(big->address(b.id));
+    for (uint64_t i = 0; i < b.size / 4; ++i) bw[i] = bb::test::pattern_word(23, i);
+    std::vector<uint32_t> all(b.size / 4);
+    REQUIRE_MESSAGE(big->read(b.id, 0, all.data(), b.size, &err) == BB_OK, err);
+    CHECK(pattern_ok(reinterpret_cast<uint64_t>(all.data()), b.size, 23));
   }
   CHECK(count_open_fds() == before);
 }

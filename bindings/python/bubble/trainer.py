@@ -296,9 +296,15 @@ class Trainer:
             buf = (ctypes.c_ubyte * max(size, 1))()
             self._call(lib.bb_trainer_read_grant, gid, offset, buf, size)
             return bytes(memoryview(buf).cast("B")[:size])
-        view = memoryview(into).cast("B")
+        view = memoryview(into)
+        if not view.c_contiguous:
+            raise TypeError("into is not contiguous: pass a contiguous buffer")
+        view = view.cast("B")
         if view.readonly:
             raise TypeError("into is read-only: pass a writable buffer")
+        if view.nbytes == 0:  # nothing to copy: still says whether the grant is live
+            self.read_grant(gid, 0, offset)
+            return None
         if size > view.nbytes:
             raise ValueError(f"into holds {view.nbytes} bytes, fewer than the {size} asked for")
         dst = (ctypes.c_ubyte * max(view.nbytes, 1)).from_buffer(view)

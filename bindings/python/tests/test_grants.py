@@ -103,6 +103,7 @@ def test_host_grant_written_by_task_is_read_by_trainer_then_revoked_and_acked(jo
                 trainer.read_grant(g.id)
             with pytest.raises(TypeError, match="read-only"):
                 trainer.read_grant(g, into=bytes(4))
+            assert trainer.read_grant(g, into=bytearray()) is None  # a liveness check
             s = trainer.grant_stats()
             assert s.backend is bubble.GrantBackend.HOST
             assert (s.capacity, s.active, s.granted_bytes, s.grants_made) == (LENT, 1, GRANT, 1)

@@ -567,9 +567,10 @@ BB_API bb_status bb_trainer_task_grant(bb_trainer_h trainer, uint64_t task_id,
  * memory for host grants; for the CUDA backends, host memory or device memory of the lender's
  * GPU (unified addressing tells them apart). The copy runs on the calling thread (CUDA: on the
  * lender's own stream, which it waits for; the caller's streams are not waited for, so dst must
- * not be in use by the caller's queued work); the hub's grants and releases wait for it, so copy
- * what you need. BB_E_NOT_FOUND when the grant is no longer live (its task gave it back, left or
- * died), BB_E_INVALID when [offset, offset + bytes) is not inside the grant's bytes or dst is
+ * not be in use by the caller's queued work), 4 MiB at a time; the hub's grants and releases
+ * wait for each piece, so copy what you need. BB_E_NOT_FOUND when the grant is no longer live
+ * (its task gave it back, left or died), also when it is given back between two pieces (dst then
+ * holds a part), BB_E_INVALID when [offset, offset + bytes) is not inside the grant's bytes or dst is
  * NULL, BB_E_STATE when nothing is lent. */
 BB_API bb_status bb_trainer_read_grant(bb_trainer_h trainer, uint64_t grant_id, uint64_t offset,
                                        void *dst, uint64_t bytes);
