@@ -1,13 +1,14 @@
 // The hub socket protocol against peers that are not libbubble of the same version.
 #include <bubble/bubble.h>
 #include <doctest/doctest.h>
+#include <linux/sockios.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <cstring>
-#include <chrono>
 #include <thread>
 
 #include "core/paths.h"
@@ -213,8 +214,12 @@ TEST_CASE("an_observer_whose_answers_do_not_fit_its_socket_is_dropped_never_answ
   for (; sent < kRequests; ++sent)
     if (bb::shm::send_msg(c, &q, sizeof q, nullptr, 0, MSG_DONTWAIT) != 0) break;
   REQUIRE(sent > 20);
-  // Give the trainer time to answer what it can (the outcome checked holds either way).
-  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // Until the trainer has read every request (nothing of ours is left in its queue), so that
+  // it answered, or failed to answer, each before we read any.
+  REQUIRE(bbtest::eventually([&] {
+    int queued = -1;
+    return ioctl(c, SIOCOUTQ, &queued) == 0 && queued == 0;
+  }));
   timeval tv{5, 0};
   setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   int answers = 0;
