@@ -238,14 +238,13 @@ bb_status GrantLender::read(uint64_t grant_id, uint64_t offset, void* dst, uint6
   // time, so that the hub's service thread (whose grant work takes this lock) waits at most one
   // piece. A grant released between two pieces ends the copy with BB_E_NOT_FOUND.
   constexpr uint64_t kPiece = 4ull << 20;
-  const uint64_t first = r->grant.offset, size = r->grant.size;
+  const uint64_t first = r->grant.offset;  // ids are never reused: a live id is this grant
   for (uint64_t done = 0; done < bytes;) {
     if (done != 0) {
       lock.unlock();
       lock.lock();
       const Record* again = find_locked(grant_id);
-      if (!again || again->state == GrantState::kQuarantined || again->grant.offset != first ||
-          again->grant.size != size) {
+      if (!again || again->state == GrantState::kQuarantined) {
         *error = "grant " + std::to_string(grant_id) + " was given back during the copy (its "
                  "task left or died): only its first " + std::to_string(done) + " bytes were "
                  "copied";
