@@ -177,6 +177,9 @@ class Agent {
   // tasks.cc
   // Loads the records and re-adopts live tasks; "" or why the records cannot be read.
   std::string readopt_tasks();
+  // A row the store says was being launched when the agent died (state "launching"): adopts
+  // the wrapper if it runs, ends it by its exit file if it ran, else queues it again.
+  void settle_launch(TaskRow* row);
   void settle_dead_tasks();
   // Launches the task on hub; "" or why not, with *passing set when trying again later may
   // work (out of descriptors or memory for a moment).

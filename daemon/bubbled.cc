@@ -144,9 +144,12 @@ int main(int argc, char** argv) {
     }
   }
   if (!runtime.empty()) setenv("BUBBLE_RUNTIME_DIR", runtime.c_str(), 1);
-  cfg.runtime_dir = bb::core::default_runtime_dir();
-  cfg.socket_path = socket.empty() ? default_agent_socket(cfg.runtime_dir) : socket;
-  cfg.state_dir = state.empty() ? default_state_dir() : state;
+  // Absolute: tasks run in their own directories and are given these paths (a relative
+  // runtime dir would name another directory there, and the launch wrapper would write its
+  // exit status where no agent looks).
+  cfg.runtime_dir = absolute_path(bb::core::default_runtime_dir());
+  cfg.socket_path = absolute_path(socket.empty() ? default_agent_socket(cfg.runtime_dir) : socket);
+  cfg.state_dir = absolute_path(state.empty() ? default_state_dir() : state);
   cfg.self_exe = self_exe();
   if (cfg.self_exe.empty()) bad("cannot find its own executable in /proc/self/exe");
 

@@ -22,6 +22,17 @@ std::string default_agent_socket(const std::string& runtime_dir) {
   return runtime_dir + "/agent/bubbled.sock";
 }
 
+std::string absolute_path(const std::string& path) {
+  if (path.empty() || path[0] == '/') return path;
+  char* cwd = getcwd(nullptr, 0);
+  if (!cwd) return path;  // the directory is gone: the path resolves against nothing better
+  std::string out = cwd;
+  free(cwd);
+  std::string rest = path;
+  while (rest.rfind("./", 0) == 0) rest.erase(0, 2);
+  return out == "/" ? "/" + rest : out + "/" + rest;
+}
+
 std::string default_state_dir() {
   std::string s = env("BUBBLE_STATE_DIR");
   if (!s.empty()) return s;

@@ -15,6 +15,11 @@ std::string default_agent_socket(const std::string& runtime_dir);
 // usually a tmpfs and is lost at reboot.
 std::string default_state_dir();
 
+// path made absolute against the current directory ("" and absolute paths as they are). The
+// agent hands its directories to tasks that run in other directories (their --cwd), and finds
+// its launch wrappers again by the exit-file path on their command line.
+std::string absolute_path(const std::string& path);
+
 // mkdir -p with the given mode for directories it creates. Returns "" or an error sentence.
 std::string make_dirs(const std::string& path, unsigned mode);
 

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <dirent.h>
 #include <sys/prctl.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -102,6 +103,44 @@ int signal_task_group(pid_t pgid, uint64_t since, const std::string& env_entry, 
   }
   closedir(d);
   return signalled;
+}
+
+pid_t find_exec_wrapper(const std::string& exit_file, uint64_t* start_time) {
+  DIR* d = opendir("/proc");
+  if (!d) return 0;
+  pid_t found = 0;
+  // argv[1..3] as launch() writes them, each with its NUL.
+  std::string want = std::string("--exec-task") + '\0' + exit_file + '\0' + "--" + '\0';
+  while (dirent* e = readdir(d)) {
+    char* end = nullptr;
+    const long pid = strtol(e->d_name, &end, 10);
+    if (pid <= 0 || !end || *end) continue;
+    char path[64];
+    snprintf(path, sizeof path, "/proc/%ld/cmdline", pid);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    struct stat st;
+    // argv[0], then the three arguments: read no more than that can take.
+    std::string cmd;
+    char buf[4096];
+    ssize_t n;
+    while (cmd.size() < want.size() + 8192 && (n = read(fd, buf, sizeof buf)) > 0)
+      cmd.append(buf, static_cast<size_t>(n));
+    const bool ours = fstat(fd, &st) == 0 && st.st_uid == geteuid();
+    close(fd);
+    const size_t arg1 = cmd.find('\0');
+    if (!ours || arg1 == std::string::npos || cmd.compare(arg1 + 1, want.size(), want) != 0)
+      continue;
+    ProcStat ps;
+    if (!read_proc_stat(static_cast<pid_t>(pid), &ps) || ps.pgid != pid || ps.state == 'Z' ||
+        ps.state == 'X')
+      continue;
+    found = static_cast<pid_t>(pid);
+    *start_time = ps.start_time;
+    break;
+  }
+  closedir(d);
+  return found;
 }
 
 std::string boot_id() {

@@ -36,6 +36,13 @@ bool same_process(pid_t pid, uint64_t start_time);
 // cannot be read (not dumpable) is left alone. Returns how many processes were signalled.
 int signal_task_group(pid_t pgid, uint64_t since, const std::string& env_entry, int sig);
 
+// The launch wrapper (below) left running for exit_file: a live process of this effective uid,
+// leading its own process group, whose command line is `... --exec-task EXIT_FILE -- ...`.
+// The exit file's path names one task of one state directory, so this finds a task the agent
+// started but had not recorded as started when it died. 0 if there is none; else its pid, and
+// *start_time its start time.
+pid_t find_exec_wrapper(const std::string& exit_file, uint64_t* start_time);
+
 // The kernel's id of this boot (/proc/sys/kernel/random/boot_id), "" if unreadable. Pids and
 // start times name processes only within one boot.
 std::string boot_id();

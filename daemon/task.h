@@ -24,7 +24,8 @@ struct TaskSpec {
 
 // Task states. Live states: queued, running, stopped (SIGSTOPped by enforcement), stopping
 // (cancel or re-placement asked, waiting for the exit). Final: finished, failed, killed,
-// cancelled, lost (gone while the agent was down, with no recorded status).
+// cancelled, lost (gone while the agent was down, with no recorded status). On disk only:
+// launching (recorded before the spawn; a restarted agent settles it, see settle_launch).
 inline bool state_is_final(const std::string& s) {
   return s == "finished" || s == "failed" || s == "killed" || s == "cancelled" || s == "lost";
 }

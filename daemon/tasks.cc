@@ -465,6 +465,23 @@ std::string Agent::launch(TaskRow* row, Hub* hub, bool* passing) {
   stdio[2].flags = UV_INHERIT_FD;
   stdio[2].data.fd = err;
 
+  // The launch is on disk before the task runs: an agent that dies before it records the pid
+  // finds the task again by its wrapper's command line (readopt_tasks), instead of launching a
+  // second copy next to one nobody supervises. No record, no launch: tried again in a second.
+  TaskRow launching = *row;
+  launching.state = "launching";
+  launching.hub = hub->name;
+  launching.attempts += 1;
+  launching.pid = 0;
+  launching.pid_start = 0;
+  launching.message = "launching on hub " + hub->name;
+  if (!store_.update_task(launching)) {
+    *passing = true;
+    close_fds();
+    return "cannot record the launch in " + cfg_.state_dir + "/bubbled.db: " +
+           store_.last_error();
+  }
+  unsaved_.erase(row->id);  // the row on disk is newer than any write owed for it
   auto lt = std::make_unique<LiveTask>();
   lt->agent = this;
   lt->id = row->id;
@@ -487,6 +504,7 @@ std::string Agent::launch(TaskRow* row, Hub* hub, bool* passing) {
     *passing = passing_errno(-rc);
     close_and_delete(lt->proc);
     lt->proc = nullptr;
+    if (*passing) save(*row);  // queued again, on disk too (else the caller's finish saves it)
     const bool cwd_may_be_why = rc == UV_ENOENT || rc == UV_EACCES || rc == UV_ENOTDIR;
     return std::string("cannot start the task: ") + uv_strerror(rc) +
            (row->spec.cwd.empty() || !cwd_may_be_why ? "" : " (check --cwd " + row->spec.cwd + ")");
@@ -890,6 +908,10 @@ std::string Agent::readopt_tasks() {
       // Alive: matched again by pid when its hub's snapshot shows it.
       continue;
     }
+    if (row.state == "launching") {
+      settle_launch(&row);
+      continue;
+    }
     if (alive) {
       agent_log("re-adopting task #%lld (pid %d)", static_cast<long long>(id), row.pid);
       watch_pidfd(&row);
@@ -912,6 +934,39 @@ std::string Agent::readopt_tasks() {
     pending_dead_.push_back(id);
   }
   return "";
+}
+
+void Agent::settle_launch(TaskRow* row) {
+  // The agent died between recording a launch and recording its pid: the wrapper may run, may
+  // have run and ended (its exit file says how), or may never have started.
+  const std::string exit_file = cfg_.state_dir + "/run/" + std::to_string(row->id) + ".exit";
+  uint64_t start = 0;
+  const pid_t pid = earlier_boot_ ? 0 : find_exec_wrapper(exit_file, &start);
+  if (pid > 0) {
+    agent_log("task #%lld: found its launch wrapper (pid %d) from before the restart; adopting it",
+              static_cast<long long>(row->id), pid);
+    row->pid = pid;
+    row->pid_start = start;
+    row->state = "running";
+    row->started_at = wall_ms();
+    row->message = "launched on " + row->hub + " (found running after the agent restarted)";
+    save(*row);
+    watch_pidfd(row);
+    return;
+  }
+  ExitStatus st;
+  if (read_exit_file(exit_file, &st)) {
+    row->state = "running";  // it ran: its exit file ends it, as for any task that ended meanwhile
+    pending_dead_.push_back(row->id);
+    return;
+  }
+  agent_log("task #%lld: the agent stopped while launching it and it is not running; placing it "
+            "again", static_cast<long long>(row->id));
+  row->state = "queued";
+  row->requeue_note = "the agent stopped while launching it";
+  row->message = "re-placing: " + row->requeue_note;
+  row->hub.clear();
+  save(*row);
 }
 
 void Agent::settle_dead_tasks() {

@@ -7,6 +7,7 @@ import sqlite3
 import subprocess
 
 from conftest import BUBBLECTL, BUBBLED, TASK_GOOD, wait_until
+from procs import pids_with_env
 
 
 def gone(pid):
@@ -487,3 +488,121 @@ def test_a_process_holding_two_slots_ends_only_when_it_has_left_both(env):
     t = env.wait_state(t["id"], ("finished", "failed", "lost"))
     assert t["state"] == "finished" and "detached from hub j:0" in t["message"], t
     assert ext.poll() is None
+
+
+def _wrappers(env, tid):
+    """Launch wrappers of this test's agent running for task tid (each task process has one)."""
+    out = []
+    want = f"\0--exec-task\0{env.state}/run/{tid}.exit\0".encode()
+    for pid in pids_with_env(f"BUBBLE_TASK_ID={tid}\0"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if want in f.read():
+                    out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def _set_launching(env, tid, hub):
+    db = sqlite3.connect(os.path.join(env.state, "bubbled.db"))
+    db.execute("UPDATE tasks SET state = 'launching', hub = ?, attempts = 1, pid = 0 "
+               "WHERE id = ?", (hub, tid))
+    db.commit()
+    db.close()
+
+
+def test_a_launch_the_agent_died_in_is_settled_never_launched_twice(env):
+    """The agent records a launch before it spawns the task, and the pid after. Killed between
+    the two, it leaves rows marked as launching (made here by hand while it is down, with the
+    wrapper started as the agent starts it). The restarted agent adopts a wrapper that runs,
+    ends by its exit file one that ran, and places again one that never started; it launches
+    no second copy of any."""
+    env.start_agent()  # no hub yet: the tasks stay queued
+    runs = env.submit(TASK_GOOD, "0")
+    ran = env.submit("/bin/true")
+    never = env.submit(TASK_GOOD, "0")
+    env.kill_agent(signal.SIGKILL)
+    for tid in (runs, ran, never):
+        _set_launching(env, tid, "j:0")
+    env.trainer("j", 0)
+    exit_file = os.path.join(env.state, "run", f"{runs}.exit")
+    wrapper = env.spawn([BUBBLED, "--exec-task", exit_file, "--", TASK_GOOD, "0"], "wrapper.out",
+                        env=dict(env.env, BUBBLE_JOB="j", BUBBLE_RANK="0",
+                                 BUBBLE_TASK_ID=str(runs), BUBBLE_TASK_NAME="runs"),
+                        start_new_session=True)
+    with open(os.path.join(env.state, "run", f"{ran}.exit"), "w") as f:
+        f.write("exit 4\n")
+    wait_until("the wrapper's task on the hub", lambda: os.path.exists(exit_file) or
+               "attached" in open(os.path.join(env.root, "wrapper.out")).read())
+    assert wrapper.poll() is None, open(os.path.join(env.root, "wrapper.out")).read()
+    env.start_agent()
+    t = env.task(runs)
+    assert t["state"] == "running" and t["pid"] == wrapper.pid, t
+    assert "found running after the agent restarted" in t["message"], t
+    t = env.task(ran)
+    assert t["state"] == "failed" and t["exit_code"] == 4, t
+    env.wait_state(never, "running")
+    wait_until("both tasks on the hub", lambda: env.hub("j:0")["tasks"] == 2)
+    assert _wrappers(env, runs) == [wrapper.pid]
+    assert len(_wrappers(env, never)) == 1
+    assert not [r for r in env.tasks().values() if r["origin"] == "attached"], env.tasks()
+    # The adopted wrapper is supervised: a cancel ends it and is recorded.
+    env.ctl("cancel", str(runs))
+    assert env.wait_state(runs, ("cancelled", "killed"))["state"] == "cancelled"
+    assert wrapper.wait(timeout=30) is not None
+
+
+def test_a_launch_the_database_cannot_record_is_not_made(env):
+    """While the database refuses writes, a task is not launched (it stays queued and is tried
+    again): an agent killed then, and restarted, launches it once, not a second time next to
+    a copy it never recorded."""
+    env.start_agent()
+    tid = env.submit(TASK_GOOD, "0")
+    db = sqlite3.connect(os.path.join(env.state, "bubbled.db"), timeout=30, isolation_level=None)
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        env.trainer("j", 0)
+        wait_until("the launch refused", lambda: f"task #{tid} not launched yet: cannot record "
+                   "the launch" in env.log_tail(), timeout=60)
+        assert env.task(tid)["state"] == "queued"
+        assert _wrappers(env, tid) == []
+        env.kill_agent(signal.SIGKILL)
+    finally:
+        db.execute("ROLLBACK")
+        db.close()
+    env.start_agent()
+    env.wait_state(tid, "running")
+    wait_until("the task on the hub", lambda: env.hub("j:0")["tasks"] == 1)
+    assert len(_wrappers(env, tid)) == 1
+
+
+def test_an_agent_given_relative_directories_hands_its_tasks_absolute_ones(env, tmp_path):
+    """Tasks run in their own directory (bubblectl's, or --cwd): relative directories given to
+    the agent must reach them, and the launch wrapper's exit file, as absolute paths. Else the
+    task looks for hubs in the wrong place, and its status, written while the agent is down,
+    is lost."""
+    env.trainer("j", 0)
+
+    def start():
+        env.agent = env.spawn([BUBBLED, "--socket", env.socket, "--state-dir", "rel-state",
+                               "--runtime-dir", os.path.relpath(env.runtime, env.root),
+                               "--metrics-port", "0", "--grace-ms", "500"], "agent.log",
+                              cwd=env.root)
+        wait_until("the agent's socket", lambda: env.ctl_ok("status"))
+
+    start()
+    gate = tmp_path / "gate"
+    tid = env.submit("/bin/sh", "-c", 'echo "runtime=$BUBBLE_RUNTIME_DIR"; '
+                     f"while [ ! -e {gate} ]; do sleep 0.02; done; exit 3", opts=("--cwd", "/"))
+    pid = env.wait_state(tid, "running")["pid"]
+    try:
+        wait_until("the task's output", lambda: "runtime=" in env.ctl("logs", str(tid)).stdout)
+        assert f"runtime={env.runtime}\n" in env.ctl("logs", str(tid)).stdout
+        env.kill_agent(signal.SIGKILL)
+    finally:
+        gate.touch()  # the task ends even when a check failed (teardown may not know it)
+    wait_until("the task to end", lambda: gone(pid))
+    start()
+    t = env.task(tid)
+    assert t["state"] == "failed" and t["exit_code"] == 3, t
