@@ -136,6 +136,8 @@ const CudaDriver* cuda_driver(std::string* error) {
 }
 
 CudaContextScope::CudaContextScope(const CudaDriver& drv, CUcontext ctx) : drv_(drv) {
+  prev_mode_ = CU_STREAM_CAPTURE_MODE_RELAXED;
+  restore_mode_ = drv_.ThreadExchangeStreamCaptureMode(&prev_mode_) == CUDA_SUCCESS;
   if (drv_.CtxGetCurrent(&prev_) != CUDA_SUCCESS) prev_ = nullptr;
   if (prev_ == ctx) return;
   status_ = cuda_status(drv_.CtxSetCurrent(ctx));
@@ -144,6 +146,7 @@ CudaContextScope::CudaContextScope(const CudaDriver& drv, CUcontext ctx) : drv_(
 
 CudaContextScope::~CudaContextScope() {
   if (restore_) drv_.CtxSetCurrent(prev_);
+  if (restore_mode_) drv_.ThreadExchangeStreamCaptureMode(&prev_mode_);
 }
 
 bb_status CudaPrivateStream::ensure(std::string* error) {

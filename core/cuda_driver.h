@@ -56,7 +56,9 @@ struct CudaDriver {
   X(StreamDestroy, cuStreamDestroy, "cuStreamDestroy_v2")                \
   X(MemsetD8Async, cuMemsetD8Async, "cuMemsetD8Async")                   \
   X(MemcpyAsync, cuMemcpyAsync, "cuMemcpyAsync")                         \
-  X(StreamSynchronize, cuStreamSynchronize, "cuStreamSynchronize")
+  X(StreamSynchronize, cuStreamSynchronize, "cuStreamSynchronize")      \
+  X(ThreadExchangeStreamCaptureMode, cuThreadExchangeStreamCaptureMode,  \
+    "cuThreadExchangeStreamCaptureMode")
 
 #define BB_CUDA_DRIVER_MEMBER_(member, fn, versioned) decltype(&::fn) member = nullptr;
   BB_CUDA_DRIVER_FUNCTIONS(BB_CUDA_DRIVER_MEMBER_)
@@ -92,6 +94,15 @@ bb_status cuda_status(CUresult rc);
 // Makes the device's primary context current on the calling thread for its lifetime, and puts
 // back whatever was current before. The primary context is the one the CUDA runtime (and so
 // PyTorch) uses, so pointers libbubble maps are usable from the caller's kernels.
+//
+// The thread is in relaxed stream-capture mode meanwhile (its mode is put back after). The
+// application may capture a CUDA graph in global mode (the default of torch.cuda.graph and of
+// the runtime) on another thread at any time; an allocation, a free, a wait or a copy to host
+// memory that libbubble makes then from a thread in global mode is an "unsafe call" to that
+// capture, which the driver refuses and invalidates: the application would lose its graph
+// through no fault of its own. libbubble's work never touches a captured stream, so nothing
+// it does belongs in a graph, and relaxed mode is what it needs. Every CUDA call libbubble
+// makes outside device queries runs inside one of these scopes.
 class CudaContextScope {
  public:
   CudaContextScope(const CudaDriver& drv, CUcontext ctx);
@@ -103,8 +114,10 @@ class CudaContextScope {
  private:
   const CudaDriver& drv_;
   CUcontext prev_ = nullptr;
+  CUstreamCaptureMode prev_mode_ = CU_STREAM_CAPTURE_MODE_GLOBAL;
   bb_status status_ = BB_OK;
   bool restore_ = false;
+  bool restore_mode_ = false;
 };
 
 // The lender's own stream: zeroes device memory before it is lent again, and copies a grant's

@@ -34,7 +34,6 @@ struct CudaEventApi {
   decltype(&::cuIpcGetEventHandle) IpcGetEventHandle = nullptr;
   decltype(&::cuIpcOpenEventHandle) IpcOpenEventHandle = nullptr;
   decltype(&::cuStreamIsCapturing) StreamIsCapturing = nullptr;
-  decltype(&::cuThreadExchangeStreamCaptureMode) ThreadExchangeStreamCaptureMode = nullptr;
 
   static bb_status resolve(const CudaDriver& drv, CudaEventApi* out, std::string* error);
 };
@@ -131,8 +130,6 @@ bb_status CudaEventApi::resolve(const CudaDriver& drv, CudaEventApi* out, std::s
   BB_EVENT_RESOLVE_(IpcGetEventHandle, "cuIpcGetEventHandle", "cuIpcGetEventHandle")
   BB_EVENT_RESOLVE_(IpcOpenEventHandle, "cuIpcOpenEventHandle", "cuIpcOpenEventHandle")
   BB_EVENT_RESOLVE_(StreamIsCapturing, "cuStreamIsCapturing", "cuStreamIsCapturing")
-  BB_EVENT_RESOLVE_(ThreadExchangeStreamCaptureMode, "cuThreadExchangeStreamCaptureMode",
-                    "cuThreadExchangeStreamCaptureMode")
 #undef BB_EVENT_RESOLVE_
   *out = api;
   return BB_OK;
@@ -307,12 +304,11 @@ void StreamTimingImpl::apply(const Mark& m) {
 void StreamTimingImpl::watch() {
   // Polls sleep poll_ns; the default timer slack (50 us) would stretch every one of them.
   prctl(PR_SET_TIMERSLACK, 1000ul, 0, 0, 0);
+  // For the thread's life: the context, and relaxed capture mode, so its event queries are no
+  // "unsafe call" to a graph capture in global mode (the default of torch.cuda.graph and the
+  // CUDA runtime) that the application runs meanwhile on any other thread, which they would
+  // invalidate.
   CudaContextScope scope(drv_, ctx_.get());
-  // Relaxed capture mode for this thread: its event queries are then no "unsafe call" to a
-  // graph capture in global mode (the default of torch.cuda.graph and the CUDA runtime) that
-  // the application runs meanwhile on any other thread, which they would invalidate.
-  CUstreamCaptureMode relaxed = CU_STREAM_CAPTURE_MODE_RELAXED;
-  api_.ThreadExchangeStreamCaptureMode(&relaxed);
   const timespec poll{time_t(opts_.poll_ns / 1000000000ull), long(opts_.poll_ns % 1000000000ull)};
   while (!stop_.load(std::memory_order_acquire)) {
     const uint64_t h = head_.load(std::memory_order_relaxed);

@@ -246,6 +246,24 @@ bool any_capture() {
     if (status == CU_STREAM_CAPTURE_STATUS_ACTIVE) return true;
   return false;
 }
+// The calling thread's capture mode (cuThreadExchangeStreamCaptureMode); the driver's default.
+thread_local CUstreamCaptureMode t_capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+// As the driver: while a stream is captured in global mode, a potentially unsafe call from a
+// thread not in relaxed mode fails (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED) and invalidates the
+// capture; the application loses its graph. The double counts as unsafe: cuEventQuery,
+// cuStreamSynchronize, allocations and frees (cuMemAlloc, cuMemFree, cuMemCreate,
+// cuMemRelease) and a cuMemcpyAsync with an end in host memory (pageable: the double has no
+// pinned memory). True when the call must fail.
+bool unsafe_during_capture() {
+  if (t_capture_mode == CU_STREAM_CAPTURE_MODE_RELAXED) return false;
+  bool broke = false;
+  for (auto& [stream, status] : st().captures)
+    if (status == CU_STREAM_CAPTURE_STATUS_ACTIVE) {
+      status = CU_STREAM_CAPTURE_STATUS_INVALIDATED;
+      broke = true;
+    }
+  return broke;
+}
 
 // This process's ordinal of a physical GPU, -1 when it does not see it.
 int ordinal_of(int gpu) {
@@ -274,6 +292,7 @@ const char* result_name(CUresult rc) {
     case CUDA_ERROR_LAUNCH_FAILED: return "CUDA_ERROR_LAUNCH_FAILED";
     case CUDA_ERROR_ILLEGAL_ADDRESS: return "CUDA_ERROR_ILLEGAL_ADDRESS";
     case CUDA_ERROR_STREAM_CAPTURE_IMPLICIT: return "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT";
+    case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED: return "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED";
     default: return nullptr;
   }
 }
@@ -536,6 +555,9 @@ CUresult CUDAAPI cuGetErrorString(CUresult rc, const char** out) {
     case CUDA_ERROR_STREAM_CAPTURE_IMPLICIT:
       *out = "operation would make the legacy stream depend on a capturing blocking stream";
       break;
+    case CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED:
+      *out = "operation not permitted when stream is capturing";
+      break;
     default: *out = "unknown error"; break;
   }
   return CUDA_SUCCESS;
@@ -625,6 +647,7 @@ CUresult CUDAAPI cuMemAlloc(CUdeviceptr* dptr, size_t size) {
   c.arg("size", size);
   if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
   if (size == 0) return c.violation(CUDA_ERROR_INVALID_VALUE, "size 0");
+  if (unsafe_during_capture()) return c.ret(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
   if (c.inject("oom")) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
   const int gpu = gpu_of(current_ctx->device);
   int fd = make_device_memfd(size, gpu);
@@ -645,6 +668,7 @@ CUresult CUDAAPI cuMemFree(CUdeviceptr dptr) {
   auto it = st().allocs.find(dptr);
   if (it == st().allocs.end())
     return c.violation(CUDA_ERROR_INVALID_VALUE, "not the base of a cuMemAlloc allocation");
+  if (unsafe_during_capture()) return c.ret(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
   munmap(reinterpret_cast<void*>(dptr), it->second.size);
   close(it->second.memfd);
   st().allocs.erase(it);
@@ -804,6 +828,7 @@ CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle* handle, size_t size,
   if (size == 0 || !aligned(size))
     return c.violation(CUDA_ERROR_INVALID_VALUE, "size %zu is not a multiple of granularity %zu",
                        size, st().granularity);
+  if (unsafe_during_capture()) return c.ret(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
   if (c.inject("oom")) return c.ret(CUDA_ERROR_OUT_OF_MEMORY);
   const int gpu = gpu_of(prop->location.id);
   int fd = make_device_memfd(size, gpu);
@@ -819,6 +844,7 @@ CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
   c.arg("handle", handle);
   auto it = st().physical.find(handle);
   if (it == st().physical.end()) return c.violation(CUDA_ERROR_INVALID_VALUE, "unknown handle");
+  if (unsafe_during_capture()) return c.ret(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
   // Legal for the real driver (memory lives on until unmapped), but libbubble always unmaps
   // first so that releasing is the moment the memory goes back.
   if (it->second.maps > 0) c.violation(CUDA_SUCCESS, "released while still mapped");
@@ -1047,9 +1073,6 @@ CUresult CUDAAPI cuEventRecord(CUevent e, CUstream stream) {
   return c.ret(CUDA_SUCCESS);
 }
 
-// The calling thread's capture mode (cuThreadExchangeStreamCaptureMode); the driver's default.
-thread_local CUstreamCaptureMode t_capture_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
-
 CUresult CUDAAPI cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus* status) {
   Call c("cuStreamIsCapturing");
   c.arg("stream", reinterpret_cast<uintptr_t>(stream));
@@ -1076,17 +1099,7 @@ CUresult CUDAAPI cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode* mode) {
 CUresult CUDAAPI cuEventQuery(CUevent e) {
   Call c("cuEventQuery");
   if (!valid_event(e)) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live event");
-  // As the driver: while a stream is captured in global mode, a query from a thread not in
-  // relaxed mode is unsafe, fails, and invalidates the capture (the graph is lost).
-  if (t_capture_mode != CU_STREAM_CAPTURE_MODE_RELAXED) {
-    bool broke = false;
-    for (auto& [stream, status] : st().captures)
-      if (status == CU_STREAM_CAPTURE_STATUS_ACTIVE) {
-        status = CU_STREAM_CAPTURE_STATUS_INVALIDATED;
-        broke = true;
-      }
-    if (broke) return c.ret(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
-  }
+  if (unsafe_during_capture()) return c.ret(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
   return c.ret(e->sh->done.load() >= e->sh->recorded.load() ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY);
 }
 
@@ -1265,6 +1278,8 @@ CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstr
                          "range is in device address space but not mapped device memory of this "
                          "process");
   }
+  if ((!w.ptr_device || !w.src_device) && unsafe_during_capture())
+    return c.ret(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
   if (c.inject("memcpy")) return c.ret(CUDA_ERROR_LAUNCH_FAILED);
   st().work[s].push_back(w);
   return c.ret(CUDA_SUCCESS);
@@ -1275,6 +1290,7 @@ CUresult CUDAAPI cuStreamSynchronize(CUstream s) {
   c.arg("stream", reinterpret_cast<uintptr_t>(s));
   if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
   if (!valid_stream(s)) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live stream");
+  if (unsafe_during_capture()) return c.ret(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
   if (c.inject("sync")) {
     // The work faulted: none of it is done.
     st().work.erase(s);

@@ -80,9 +80,12 @@ int bbdouble_stream_progress(void *stream, int n);
 int bbdouble_stream_pending(void *stream);
 
 /* Graph capture. bbdouble_stream_capture marks a stream as being captured in global mode (or no
- * longer); cuStreamIsCapturing reports it. As with the driver, a cuEventQuery from a thread not
- * in relaxed mode (cuThreadExchangeStreamCaptureMode) meanwhile fails and invalidates the
- * capture, which bbdouble_stream_capture_status then says (a CUstreamCaptureStatus). */
+ * longer); cuStreamIsCapturing reports it. As with the driver, a potentially unsafe call from a
+ * thread not in relaxed mode (cuThreadExchangeStreamCaptureMode) meanwhile fails with
+ * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the capture, which
+ * bbdouble_stream_capture_status then says (a CUstreamCaptureStatus). The double counts as
+ * unsafe: cuEventQuery, cuStreamSynchronize, cuMemAlloc, cuMemFree, cuMemCreate, cuMemRelease,
+ * and cuMemcpyAsync with an end in host memory. */
 void bbdouble_stream_capture(void *stream, int capturing);
 int bbdouble_stream_capture_status(void *stream);
 

@@ -4,7 +4,8 @@
 # Builds the GPU test programs (and libbubble under them) and runs: the grant test for cuda-vmm and
 # cuda-ipc (lend, grant, a kernel in a second process writes a pattern, the trainer checks it,
 # revoke, and the device memory comes back when the lender goes; with 2+ GPUs also from the last
-# GPU to a task that sees only that one, as the agent launches tasks); GPU-timed bubbles on a real
+# GPU to a task that sees only that one, as the agent launches tasks; and the lender's work on
+# another thread during a graph capture in global mode, which must stay intact); GPU-timed bubbles on a real
 # stream; the NCCL pipeline example (2+ GPUs).
 # Exit 0 only if all passed; a test that cannot run here (exit 77) is reported as skipped. It
 # needs only the CUDA Toolkit (nvcc, cudart, NCCL for the pipeline), CMake and a C++ compiler: the

@@ -122,7 +122,7 @@ TEST_CASE("the driver loader resolves its table through cuGetProcAddress") {
   std::string err;
   REQUIRE_MESSAGE(CudaDriver::open(BUBBLE_CUDA_DOUBLE_PATH, &d, &err) == BB_OK, err);
   CHECK(d->via_proc_address);
-  CHECK(dbl().counts().proc_lookups == 34);  // the entries of BB_CUDA_DRIVER_FUNCTIONS
+  CHECK(dbl().counts().proc_lookups == 35);  // the entries of BB_CUDA_DRIVER_FUNCTIONS
   CHECK(d->driver_version == 13000);
   CHECK(d->device_count == 1);
   CHECK(d->path == BUBBLE_CUDA_DOUBLE_PATH);
@@ -425,11 +425,13 @@ TEST_CASE("cuda-ipc: an owned lent range, one handle for all grants, nothing all
   Grant a, b;
   REQUIRE(l->grant(1000, 1, &a, &err) == BB_OK);
   REQUIRE(l->grant(300, 2, &b, &err) == BB_OK);
-  // Per grant only the clearing: one stream for all, then a memset and a wait per grant.
-  CHECK(dbl().calls() == Calls{"cuCtxGetCurrent", "cuCtxSetCurrent", "cuStreamCreate",
-                               "cuMemsetD8Async", "cuStreamSynchronize", "cuCtxSetCurrent",
-                               "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemsetD8Async",
-                               "cuStreamSynchronize", "cuCtxSetCurrent"});
+  // Per grant only the clearing, in relaxed capture mode: one stream for all, then a memset
+  // and a wait per grant.
+  const std::string mode = "cuThreadExchangeStreamCaptureMode";
+  CHECK(dbl().calls() == Calls{mode, "cuCtxGetCurrent", "cuCtxSetCurrent", "cuStreamCreate",
+                               "cuMemsetD8Async", "cuStreamSynchronize", "cuCtxSetCurrent", mode,
+                               mode, "cuCtxGetCurrent", "cuCtxSetCurrent", "cuMemsetD8Async",
+                               "cuStreamSynchronize", "cuCtxSetCurrent", mode});
   CHECK(a.handle.fd == -1);
   CHECK(a.handle.map_offset == a.offset);
   CHECK(b.handle.map_offset == b.offset);
@@ -937,5 +939,39 @@ TEST_CASE("a live grant's bytes are copied out on the lender's stream, a release
     CHECK(err.find("grant " + std::to_string(g.id) + " is not live") != std::string::npos);
     CHECK(dbl().calls("cuMemcpyAsync").empty());
     REQUIRE(l->release(dst.id, &err) == BB_OK);
+  }
+}
+
+TEST_CASE("grants are lent, cleared, copied out and given back during a graph capture, which "
+          "stays intact") {
+  // The application captures a CUDA graph in global mode (torch.cuda.graph's default) while
+  // the lender works on another thread: every allocation, free, wait and copy to host memory of
+  // the lender is an unsafe call to that capture unless made in relaxed mode.
+  for (GrantBackend b : {GrantBackend::kCudaIpc, GrantBackend::kCudaVmm}) {
+    CAPTURE(grant_backend_name(b));
+    Clean clean;
+    void* const captured = reinterpret_cast<void*>(0x6a7b);
+    dbl().capture(captured, true);
+    struct EndCapture {
+      void* s;
+      ~EndCapture() { dbl().capture(s, false); }
+    } end{captured};
+    std::string err;
+    auto l = lender(b, 8 * kMiB);
+    Grant g;
+    REQUIRE_MESSAGE(l->grant(kMiB, 1, &g, &err) == BB_OK, err);  // cleared on the lender's stream
+    auto* w = reinterpret_cast<uint32_t*>(l->address(g.id));
+    for (uint64_t i = 0; i < g.size / 4; ++i) w[i] = pattern_word(62, i);
+    std::vector<uint32_t> host(g.size / 4);
+    REQUIRE_MESSAGE(l->read(g.id, 0, host.data(), g.size, &err) == BB_OK, err);
+    CHECK(pattern_ok(reinterpret_cast<uint64_t>(host.data()), g.size, 62));
+    REQUIRE_MESSAGE(l->release(g.id, &err) == BB_OK, err);
+    l.reset();
+    CHECK(dbl().capture_status(captured) == int(CU_STREAM_CAPTURE_STATUS_ACTIVE));
+    // The thread's own mode is put back: the application's, not libbubble's.
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+    REQUIRE(drv().ThreadExchangeStreamCaptureMode(&mode) == CUDA_SUCCESS);
+    CHECK(mode == CU_STREAM_CAPTURE_MODE_GLOBAL);
+    REQUIRE(drv().ThreadExchangeStreamCaptureMode(&mode) == CUDA_SUCCESS);
   }
 }

@@ -80,8 +80,13 @@ struct Double {
   void (*outstanding_)(bbdouble_counts*) = nullptr;
   size_t (*log_)(char*, size_t) = nullptr;
   size_t (*violations_)(char*, size_t) = nullptr;
+  void (*capture_)(void*, int) = nullptr;
+  int (*capture_status_)(void*) = nullptr;
 
   explicit Double(const core::CudaDriver& drv) {
+    capture_ = reinterpret_cast<decltype(capture_)>(dlsym(drv.dl_handle, "bbdouble_stream_capture"));
+    capture_status_ = reinterpret_cast<decltype(capture_status_)>(
+        dlsym(drv.dl_handle, "bbdouble_stream_capture_status"));
     reset_ = reinterpret_cast<decltype(reset_)>(dlsym(drv.dl_handle, "bbdouble_reset"));
     outstanding_ =
         reinterpret_cast<decltype(outstanding_)>(dlsym(drv.dl_handle, "bbdouble_outstanding"));
@@ -89,8 +94,14 @@ struct Double {
     violations_ =
         reinterpret_cast<decltype(violations_)>(dlsym(drv.dl_handle, "bbdouble_violations"));
   }
-  bool ok() const { return reset_ && outstanding_ && log_ && violations_; }
+  bool ok() const {
+    return reset_ && outstanding_ && log_ && violations_ && capture_ && capture_status_;
+  }
   void reset() { reset_(); }
+  // The application captures a CUDA graph on stream (global mode) until capture(stream, false).
+  void capture(void* stream, bool on) { capture_(stream, on ? 1 : 0); }
+  // A CUstreamCaptureStatus: active, or invalidated by an unsafe call meanwhile.
+  int capture_status(void* stream) { return capture_status_(stream); }
   bbdouble_counts counts() {
     bbdouble_counts c{};
     outstanding_(&c);
