@@ -47,11 +47,15 @@ const char kUsage[] =
     "  actions [N]                      the last N enforcement actions (default 50)\n"
     "  wait ID [--timeout SECONDS] [-v] wait until a task ends; exit 0 if it finished, 1 if\n"
     "                                   it ended otherwise, 3 at the timeout, 4 if the agent\n"
-    "                                   cannot be reached (for 30 s once it was); -v: say\n"
-    "                                   each state it is seen in, on stderr\n"
+    "                                   cannot be reached (for 30 s once it was, or while it\n"
+    "                                   is too busy to take the connection) or refuses the\n"
+    "                                   request, 5 if it has no such task; -v: say each state\n"
+    "                                   it is seen in, on stderr\n"
     "  trace [--seconds S] [-o FILE]    hubs' events as Chrome trace JSON (Perfetto)\n"
     "  timeline [--seconds S] [-o FILE] the last seconds as an SVG, one lane per hub\n"
     "SIZE: bytes, or with K, M, G, T (powers of 1024), e.g. 512M\n"
+    "Exit status (besides wait's): 0 done, 2 a usage error, 141 the reader of the output went\n"
+    "away, 1 any other failure (the message says which).\n"
     "The socket defaults to $BUBBLE_AGENT_SOCKET, else <runtime dir>/agent/bubbled.sock.\n";
 
 [[noreturn]] void die(const std::string& msg, int code = 1) {
@@ -68,6 +72,12 @@ const char kUsage[] =
 // restarted is gone for a moment); every other command exits with the message.
 struct AgentUnreachable {
   std::string message;
+};
+// The agent answered with an error (thrown only for `wait`, as AgentUnreachable is). busy: it
+// turned the connection away for now (too many connections), which `wait` rides out too.
+struct AgentRefused {
+  std::string message;
+  bool busy;
 };
 bool g_unreachable_throws = false;
 
@@ -252,7 +262,12 @@ class Client {
     }
     try {
       auto resp = reader->getRoot<proto::Response>();
-      if (resp.isError()) die(str(resp.getError().getMessage()));
+      if (resp.isError()) {
+        auto e = resp.getError();
+        if (g_unreachable_throws)
+          throw AgentRefused{str(e.getMessage()), e.getCode() == proto::Error::Code::STATE};
+        die(str(e.getMessage()));
+      }
     } catch (const kj::Exception& e) {
       die(std::string("malformed reply from the agent: ") + e.getDescription().cStr());
     }
@@ -638,6 +653,16 @@ int cmd_wait(const std::string& socket, const std::vector<std::string>& args) {
   // tries again for this long before it gives up with exit code 4.
   constexpr double kAgentGoneS = 30;
   g_unreachable_throws = true;
+  // The agent is gone or full for now: said once, then tried again for kAgentGoneS.
+  auto ride_out = [&](const std::string& said, const std::string& at_the_end) {
+    if (!lost) {
+      lost = true;
+      clock_gettime(CLOCK_MONOTONIC, &lost_at);
+      fprintf(stderr, "bubblectl: %s; trying again for %.0f s\n", said.c_str(), kAgentGoneS);
+    } else if (elapsed(lost_at) > kAgentGoneS) {
+      die(at_the_end + " within 30 s", 4);
+    }
+  };
   for (;;) {
     try {
       Client c(socket);
@@ -658,19 +683,17 @@ int cmd_wait(const std::string& socket, const std::vector<std::string>& args) {
           return st == "finished" ? 0 : 1;
         }
       }
-      if (!found) die("no task #" + std::to_string(id) + ": see `bubblectl list --all`");
+      if (!found) die("no task #" + std::to_string(id) + ": see `bubblectl list --all`", 5);
       looked = true;
       lost = false;
     } catch (const AgentUnreachable& e) {
       if (!looked) die(e.message, 4);
-      if (!lost) {
-        lost = true;
-        clock_gettime(CLOCK_MONOTONIC, &lost_at);
-        fprintf(stderr, "bubblectl: lost the agent (%s); trying again for %.0f s\n",
-                e.message.c_str(), kAgentGoneS);
-      } else if (elapsed(lost_at) > kAgentGoneS) {
-        die(e.message + "; no agent came back within 30 s", 4);
-      }
+      ride_out("lost the agent (" + e.message + ")", e.message + "; no agent came back");
+    } catch (const AgentRefused& e) {
+      // Not the task's fate: a refusal (permission, a version it does not speak) is final, a
+      // full agent is waited out like a restarting one.
+      if (!e.busy) die(e.message, 4);
+      ride_out(e.message, e.message + "; still so");
     }
     if (timeout >= 0 && elapsed(t0) > timeout)
       die("task #" + std::to_string(id) + " still runs after the timeout", 3);

@@ -3,10 +3,11 @@ result, re-adopts tasks still alive (by pid and start time), and never adopts a 
 import os
 import select
 import signal
+import socket
 import sqlite3
 import subprocess
 
-from conftest import BUBBLECTL, BUBBLED, TASK_GOOD, wait_until
+from conftest import BUBBLECTL, BUBBLED, TASK_GOOD, decode, read_frame, wait_until
 from procs import pids_with_env
 
 
@@ -350,6 +351,58 @@ def test_wait_goes_on_through_a_restart_of_the_agent(env, tmp_path):
         if waiter.poll() is None:
             waiter.kill()
             waiter.wait()
+
+
+def test_wait_rides_out_a_full_agent_and_tells_a_missing_task_from_a_failed_one(env, tmp_path):
+    """An agent with every connection taken turns `wait` away for now: that is not the task
+    failing (exit 1); `wait` tries again and reports the task's end. A task the agent does not
+    know is exit 5, not 1."""
+    env.trainer("j", 0)
+    env.start_agent()
+    r = env.ctl("wait", "999", check=False)
+    assert r.returncode == 5 and "no task #999" in r.stderr, (r.returncode, r.stderr)
+    gate = tmp_path / "gate"
+    tid = env.submit("/bin/sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.02; done")
+    env.wait_state(tid, "running")
+    held = []
+    try:
+        # Every connection the agent admits, held open (it admits at most 128).
+        while True:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(env.socket)
+            held.append(s)
+            s.settimeout(0.05)
+            try:
+                body = read_frame(s)  # only a refusal comes unasked
+                assert "too many open connections" in str(decode(body)), decode(body)
+                break
+            except (socket.timeout, BlockingIOError):
+                pass
+            assert len(held) < 1000, "the agent never said it was full"
+        waiter = subprocess.Popen([BUBBLECTL, "--socket", env.socket, "wait", str(tid)],
+                                  env=env.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+        try:
+            wait_until("the waiter to say the agent is full", lambda: waiter.poll() is not None
+                       or select.select([waiter.stderr], [], [], 0)[0])
+            said = waiter.stderr.readline()
+            assert "too many open connections" in said and "trying again" in said, \
+                (said, waiter.poll())
+            for s in held:
+                s.close()
+            held.clear()
+            gate.touch()
+            out, err = waiter.communicate(timeout=60)
+            assert waiter.returncode == 0, (waiter.returncode, out, err)
+            assert out.startswith("finished"), out
+        finally:
+            if waiter.poll() is None:
+                waiter.kill()
+                waiter.wait()
+    finally:
+        for s in held:
+            s.close()
+        gate.touch()
 
 
 def test_wait_says_what_is_wrong_with_its_options_and_when_no_agent_answers(env):
