@@ -319,6 +319,32 @@ def test_a_task_drained_while_the_agent_was_down_is_placed_again(env):
     assert t["state"] == "running" and t["hub"] == "k:0" and t["attempts"] == 2, t
 
 
+class _Waiter:
+    """`bubblectl wait TID` running: what it says on stderr, line by line, and how it ends."""
+
+    def __init__(self, env, tid, *opts):
+        self.p = subprocess.Popen([BUBBLECTL, "--socket", env.socket, "wait", str(tid), *opts],
+                                  env=env.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+
+    def said(self, what):
+        """Its next line on stderr (also returns if it ended)."""
+        wait_until(what, lambda: self.p.poll() is not None
+                   or select.select([self.p.stderr], [], [], 0)[0])
+        return self.p.stderr.readline()
+
+    def finished(self):
+        """Asserts it reports the task finished (exit 0)."""
+        out, err = self.p.communicate(timeout=60)
+        assert self.p.returncode == 0, (self.p.returncode, out, err)
+        assert out.startswith("finished"), out
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait()
+
+
 def test_wait_goes_on_through_a_restart_of_the_agent(env, tmp_path):
     """An agent being restarted (an upgrade) is not the task failing: `wait` tries again and
     reports how the task ends (exit 0: finished), not that the agent was gone (exit 4)."""
@@ -327,30 +353,19 @@ def test_wait_goes_on_through_a_restart_of_the_agent(env, tmp_path):
     gate = tmp_path / "gate"
     tid = env.submit("/bin/sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.02; done")
     env.wait_state(tid, "running")
-    waiter = subprocess.Popen([BUBBLECTL, "--socket", env.socket, "wait", str(tid), "-v"],
-                              env=env.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True)
+    waiter = _Waiter(env, tid, "-v")
     try:
-        def said(what):  # the waiter's next line on stderr (it also ends if the waiter did)
-            wait_until(what, lambda: waiter.poll() is not None
-                       or select.select([waiter.stderr], [], [], 0)[0])
-            return waiter.stderr.readline()
-
         # Its first look (-v says what it saw) is done before the agent goes.
-        assert said("the first look") == f"task #{tid}: running\n"
+        assert waiter.said("the first look") == f"task #{tid}: running\n"
         env.kill_agent(signal.SIGTERM)
         # It says so on stderr, and goes on (the agent is started again only after that).
-        lost = said("the waiter to see the agent gone")
-        assert "lost the agent" in lost and "trying again" in lost, (lost, waiter.poll())
+        lost = waiter.said("the waiter to see the agent gone")
+        assert "lost the agent" in lost and "trying again" in lost, (lost, waiter.p.poll())
         env.start_agent()
         gate.touch()
-        out, err = waiter.communicate(timeout=60)
-        assert waiter.returncode == 0, (waiter.returncode, out, err)
-        assert out.startswith("finished"), out
+        waiter.finished()
     finally:
-        if waiter.poll() is None:
-            waiter.kill()
-            waiter.wait()
+        waiter.stop()
 
 
 def test_wait_rides_out_a_full_agent_and_tells_a_missing_task_from_a_failed_one(env, tmp_path):
@@ -379,26 +394,18 @@ def test_wait_rides_out_a_full_agent_and_tells_a_missing_task_from_a_failed_one(
             except (socket.timeout, BlockingIOError):
                 pass
             assert len(held) < 1000, "the agent never said it was full"
-        waiter = subprocess.Popen([BUBBLECTL, "--socket", env.socket, "wait", str(tid)],
-                                  env=env.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
+        waiter = _Waiter(env, tid)
         try:
-            wait_until("the waiter to say the agent is full", lambda: waiter.poll() is not None
-                       or select.select([waiter.stderr], [], [], 0)[0])
-            said = waiter.stderr.readline()
+            said = waiter.said("the waiter to say the agent is full")
             assert "too many open connections" in said and "trying again" in said, \
-                (said, waiter.poll())
+                (said, waiter.p.poll())
             for s in held:
                 s.close()
             held.clear()
             gate.touch()
-            out, err = waiter.communicate(timeout=60)
-            assert waiter.returncode == 0, (waiter.returncode, out, err)
-            assert out.startswith("finished"), out
+            waiter.finished()
         finally:
-            if waiter.poll() is None:
-                waiter.kill()
-                waiter.wait()
+            waiter.stop()
     finally:
         for s in held:
             s.close()
