@@ -368,6 +368,10 @@ void Agent::on_hub_gone(Hub* hub, const char* why) {
       terminate(&row, "its hub went away");
     }
   }
+  for (const auto& [hid, rid] : hub->task_rows) {
+    auto rit = tasks_.find(rid);
+    if (rit != tasks_.end()) slot_gone(&rit->second, {hub->name, hid});
+  }
   hub->task_rows.clear();
   hub->enforce.clear();
   // Another socket under its name: a new trainer's, bound before this one's hang-up was seen
@@ -473,7 +477,6 @@ bool Agent::adoptable(pid_t pid) const {
 
 void Agent::reconcile_tasks(Hub* hub) {
   std::set<uint64_t> present;
-  std::set<int64_t> summed;  // rows whose figures this snapshot has restarted
   // Harvested time from the hub's own total, which also counts a task that ended between two
   // snapshots. A new trainer on the same hub name starts its total from zero.
   const uint64_t total = hub->snap.task_ns_in_bubbles;
@@ -530,11 +533,9 @@ void Agent::reconcile_tasks(Hub* hub) {
     auto rit = tasks_.find(rid);
     if (rit != tasks_.end()) {
       TaskRow& row = rit->second;
-      // A process may hold several slots of the hub, all one row: its figures are their sum.
-      if (summed.insert(rid).second) row.steps = row.ns_in_bubbles = row.ns_outside = 0;
-      row.steps += t.steps;
-      row.ns_in_bubbles += t.ns_in_bubbles;
-      row.ns_outside += t.ns_outside;
+      // A process may hold several slots (of this hub or others), all one row: its figures
+      // are their sum, and a slot that leaves keeps its share.
+      update_figures(&row, {hub->name, t.id}, {t.steps, t.ns_in_bubbles, t.ns_outside});
       if (row.origin == "attached") {
         if (t.state == core::TaskRunState::kFailed) row.message = "reported failure";
         if (t.state == core::TaskRunState::kFinished) row.message = "reported it finished";
@@ -565,6 +566,7 @@ void Agent::reconcile_tasks(Hub* hub) {
       bool failed = row.message == "reported failure";
       finish_row(&row, failed ? "failed" : "finished", "detached from hub " + hub->name);
     }
+    if (rit != tasks_.end()) slot_gone(&rit->second, {hub->name, it->first});
     hub->enforce.erase(it->first);
     it = hub->task_rows.erase(it);
   }

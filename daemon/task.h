@@ -4,7 +4,9 @@
 #include <sys/types.h>
 
 #include <cstdint>
+#include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace bb::daemon {
@@ -30,6 +32,13 @@ inline bool state_is_final(const std::string& s) {
   return s == "finished" || s == "failed" || s == "killed" || s == "cancelled" || s == "lost";
 }
 
+// What a task did: steps, and its step time inside and past bubbles.
+struct TaskFigures {
+  uint64_t steps = 0;
+  uint64_t ns_in_bubbles = 0;
+  uint64_t ns_outside = 0;
+};
+
 struct TaskRow {
   int64_t id = 0;
   TaskSpec spec;
@@ -51,7 +60,22 @@ struct TaskRow {
   uint64_t ns_in_bubbles = 0;
   uint64_t ns_outside = 0;  // its step time past bubbles' ends
   std::string requeue_note;  // why a launched task waits again (kept in memory only)
+
+  // In memory only. A task's figures add up every hub slot it held, over all its attempts,
+  // and never go back: each slot's latest counts (key: hub name, the hub's task id), the counts
+  // of slots gone, and the figures the row had when the agent loaded it (a restarted agent
+  // sees only the slots still held). See update_figures().
+  std::map<std::pair<std::string, uint64_t>, TaskFigures> slot_figures;
+  TaskFigures slots_gone;
+  TaskFigures loaded;
 };
+
+// Records slot `key`'s latest counts in row (a slot whose counts went back is a new slot: the
+// old one's go to slots_gone) and sets the row's figures.
+void update_figures(TaskRow* row, const std::pair<std::string, uint64_t>& key,
+                    const TaskFigures& now);
+// The slot left: its counts stay in the row's figures, its entry goes.
+void slot_gone(TaskRow* row, const std::pair<std::string, uint64_t>& key);
 
 struct ActionRow {
   int64_t at_ms = 0;

@@ -551,7 +551,12 @@ void Agent::on_task_exit(LiveTask* lt, ExitStatus st) {
   row.signal = st.signal;
   for (auto& [name, hub] : hubs_) {
     for (auto h = hub->task_rows.begin(); h != hub->task_rows.end();) {
-      h = h->second == row.id ? hub->task_rows.erase(h) : std::next(h);
+      if (h->second != row.id) {
+        ++h;
+        continue;
+      }
+      slot_gone(&row, {name, h->first});
+      h = hub->task_rows.erase(h);
     }
   }
   auto hub = hubs_.find(row.hub);
@@ -877,7 +882,10 @@ std::string Agent::readopt_tasks() {
     return "cannot read the task records in " + cfg_.state_dir + "/bubbled.db (" +
            store_.last_error() + "): repair or move the database (sqlite3 .recover), or give "
            "the agent another --state-dir";
-  for (TaskRow& row : rows) tasks_[row.id] = row;
+  for (TaskRow& row : rows) {
+    row.loaded = {row.steps, row.ns_in_bubbles, row.ns_outside};
+    tasks_[row.id] = row;
+  }
   draining_ = store_.get_meta("draining") == "1";
   {
     const std::string list = store_.get_meta("drained_hubs");

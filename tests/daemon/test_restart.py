@@ -1,6 +1,7 @@
 """Nothing is lost: an agent killed with SIGKILL and restarted keeps every submission and every
 result, re-adopts tasks still alive (by pid and start time), and never adopts a reused pid."""
 import os
+import re
 import select
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 
 from conftest import BUBBLECTL, BUBBLED, TASK_GOOD, decode, read_frame, wait_until
 from procs import pids_with_env
+from test_metrics import scrape
 
 
 def gone(pid):
@@ -536,10 +538,22 @@ def test_a_process_holding_two_slots_ends_only_when_it_has_left_both(env):
     t = wait_until("the process to be adopted",
                    lambda: [t for t in env.tasks().values() if t["name"] == "two"])[0]
     assert len([r for r in env.tasks().values() if r["pid"] == ext.pid]) == 1  # one row
-    wait_until("steps of both slots", lambda: env.task(t["id"])["steps"] > 0)
+    port = env.status()["metrics_port"]
+
+    def slot_steps(name):  # the slot's own count, from the metrics (one series per slot)
+        m = re.search(r'^bubble_side_task_steps_total\{task="' + name + r'",[^}]*\} (\d+)$',
+                      scrape(port), re.M)
+        return int(m.group(1)) if m else 0
+
+    # The first slot has done far more steps than the second can do between two looks below.
+    wait_until("steps of both slots", lambda: slot_steps("two") >= 2000 and slot_steps("second"),
+               timeout=60)
     ext.send_signal(signal.SIGUSR1)  # the first slot's work is done: it detaches
     wait_until("the first slot to leave", lambda: "detached" in open(out).read())
     wait_until("the hub to show one slot", lambda: env.hub("j:0")["tasks"] == 1)
+    # The row keeps the first slot's steps: it counts more than the second slot alone.
+    row_steps = env.task(t["id"])["steps"]
+    assert row_steps > slot_steps("second") + 1000, (row_steps, slot_steps("second"))
     before = env.hub("j:0")["bubbles"]
     wait_until("more bubbles", lambda: env.hub("j:0")["bubbles"] > before + 20)
     assert env.task(t["id"])["state"] == "running", env.task(t["id"])

@@ -807,3 +807,37 @@ TEST_CASE("list_fit_drops_arguments_of_the_oldest_first_then_says_how_many_rows_
   CHECK(rows.front().spec.env.empty());
   CHECK(rows.front().message.find("arguments and environment left out") != std::string::npos);
 }
+
+TEST_CASE("a_task's_figures_add_up_its_slots_and_never_go_back") {
+  TaskRow row;
+  const std::pair<std::string, uint64_t> a{"j:0", 1}, b{"j:0", 2}, other{"k:0", 1};
+  update_figures(&row, a, {10, 100, 1});
+  update_figures(&row, b, {5, 50, 0});
+  CHECK(row.steps == 15);
+  CHECK(row.ns_in_bubbles == 150);
+  CHECK(row.ns_outside == 1);
+  // A slot that leaves keeps its share.
+  slot_gone(&row, a);
+  update_figures(&row, b, {6, 60, 0});
+  CHECK(row.steps == 16);
+  CHECK(row.ns_in_bubbles == 160);
+  CHECK(row.slot_figures.size() == 1);
+  // A slot of another hub adds to them (a task re-placed, or attached to two hubs).
+  update_figures(&row, other, {3, 30, 2});
+  CHECK(row.steps == 19);
+  CHECK(row.ns_outside == 3);
+  // A hub task id whose counts went back belongs to a new trainer's slot: the old counts stay.
+  update_figures(&row, b, {1, 10, 0});
+  CHECK(row.steps == 10 + 6 + 3 + 1);
+  CHECK(row.ns_in_bubbles == 100 + 60 + 30 + 10);
+  // Loaded by a restarted agent, which sees only the slots still held: never below what was
+  // recorded, and growing with them once they pass it.
+  TaskRow loaded;
+  loaded.loaded = {100, 1000, 10};
+  update_figures(&loaded, a, {40, 400, 4});
+  CHECK(loaded.steps == 100);
+  CHECK(loaded.ns_in_bubbles == 1000);
+  update_figures(&loaded, a, {120, 1200, 12});
+  CHECK(loaded.steps == 120);
+  CHECK(loaded.ns_outside == 12);
+}
