@@ -592,7 +592,13 @@ int cmd_logs(Client& c, const std::vector<std::string>& args) {
     const bool caught_up = static_cast<int64_t>(lr.getEnd()) == offset || data.size() < max_bytes;
     offset = static_cast<int64_t>(lr.getEnd());
     if (lr.getFinal() && caught_up) return 0;
-    if (caught_up) usleep(200 * 1000);
+    // Caught up with a task that is silent for now: wait 200 ms, but end at once if the
+    // reader of the output goes meanwhile (a pipe's write end then reports POLLERR, a socket's
+    // POLLHUP), not only at the task's next output, which may never come.
+    if (caught_up) {
+      pollfd p{STDOUT_FILENO, 0, 0};
+      if (poll(&p, 1, 200) == 1 && (p.revents & (POLLERR | POLLHUP))) _exit(141);
+    }
   }
 }
 

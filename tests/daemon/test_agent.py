@@ -307,6 +307,31 @@ def test_logs_follow_prints_what_the_task_writes_until_it_ends(env):
     assert env.task(tid)["state"] == "finished"
 
 
+def test_logs_follow_of_a_silent_task_ends_once_its_reader_goes(env):
+    """`bubblectl logs ID --follow | head -1` on a task that then says nothing for long: the
+    follower ends when its reader goes (141, SIGPIPE's status), not at the task's next output,
+    which may never come."""
+    env.trainer("j", 0)
+    env.start_agent()
+    tid = env.submit("/bin/sh", "-c", "echo line1; exec sleep 300")
+    env.wait_state(tid, "running")
+    wait_until("the first line", lambda: "line1" in env.ctl("logs", str(tid)).stdout)
+    r, w = os.pipe()
+    follow = subprocess.Popen([BUBBLECTL, "--socket", env.socket, "logs", str(tid), "--follow"],
+                              env=env.env, stdout=w, stderr=subprocess.PIPE, text=True)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as reader:
+            assert reader.readline() == b"line1\n"
+        # The reader is gone; the task is silent.
+        assert follow.wait(timeout=10) == 141, follow.stderr.read()
+        assert env.task(tid)["state"] == "running"
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+            follow.wait()
+
+
 def test_what_a_task_leaves_running_in_its_process_group_ends_with_it(env):
     """A launched task ends with its main process: a background job it left behind (here one
     that ignores SIGTERM) is killed, not left to run on unsupervised."""
