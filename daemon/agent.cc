@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -60,6 +61,15 @@ std::string Agent::start(uv_loop_t* loop) {
   }
   std::string e = store_.open(cfg_.state_dir + "/bubbled.db");
   if (!e.empty()) return e;
+  {
+    struct stat sd;
+    if (stat(cfg_.state_dir.c_str(), &sd) != 0)
+      return "cannot inspect " + cfg_.state_dir + ": " + strerror(errno);
+    char id[64];
+    snprintf(id, sizeof id, "%llx.%llx", static_cast<unsigned long long>(sd.st_dev),
+             static_cast<unsigned long long>(sd.st_ino));
+    state_dir_id_ = id;
+  }
   prune_timer_ = new_timer(loop_, this);
   log_timer_ = new_timer(loop_, this);
   relaunch_timer_ = new_timer(loop_, this);

@@ -189,8 +189,12 @@ class Agent {
   void terminate(TaskRow* row, const std::string& why);
   // The trainer refused to pass on a stop the agent asked of it (the task left its slot, say).
   void on_stop_refused(TaskRow* row, const std::string& why);
-  // Kills what is left of a submitted task's process group once its wrapper is gone.
+  // Kills what is left of a submitted task's process group once its wrapper is gone, and its
+  // descendants that left the group.
   void kill_orphans(const TaskRow& row, bool wrapper_died);
+  // "BUBBLE_LAUNCH=..." for one launch (attempt) of one task of this state directory: given
+  // to the task, it finds the task's descendants wherever they went, and nobody else's.
+  std::string launch_mark(int64_t id, uint32_t attempt) const;
   void signal_task(const TaskRow& row, int sig);
   // A self-attached task whose pid is a trainer's (it runs on a thread of a trainer process).
   bool in_trainer_process(const TaskRow& row) const;
@@ -253,6 +257,7 @@ class Agent {
   AgentConfig cfg_;
   Store store_;
   int lock_fd_ = -1;
+  std::string state_dir_id_;  // the state directory's device and inode, for launch marks
   bool draining_ = false;
   std::set<std::string> drained_hubs_;  // `drain --hub`: kept in meta across restarts
   bool closing_ = false;

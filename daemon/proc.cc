@@ -77,8 +77,10 @@ bool environ_holds(pid_t pid, const std::string& entry) {
 
 }  // namespace
 
-int signal_task_group(pid_t pgid, uint64_t since, const std::string& env_entry, int sig) {
+int signal_task_group(pid_t pgid, uint64_t since, const std::string& env_entry, int sig,
+                      const std::string& anywhere_entry) {
   if (pgid <= 1 || env_entry.empty()) return 0;
+  const uid_t me = geteuid();
   DIR* d = opendir("/proc");
   if (!d) return 0;
   int signalled = 0;
@@ -87,16 +89,26 @@ int signal_task_group(pid_t pgid, uint64_t since, const std::string& env_entry, 
     const long pid = strtol(e->d_name, &end, 10);
     if (pid <= 0 || !end || *end) continue;
     ProcStat st;
-    if (!read_proc_stat(static_cast<pid_t>(pid), &st) || st.pgid != pgid ||
-        st.start_time < since || st.state == 'Z' || st.state == 'X')
+    if (!read_proc_stat(static_cast<pid_t>(pid), &st) || st.start_time < since ||
+        st.state == 'Z' || st.state == 'X')
       continue;
+    if (st.pgid != pgid) {
+      // Outside the group: only by the launch's own mark, and only a process of this user
+      // (reading another's environment is refused anyway, unless the agent runs as root).
+      struct stat ps;
+      char path[64];
+      snprintf(path, sizeof path, "/proc/%ld", pid);
+      if (anywhere_entry.empty() || stat(path, &ps) != 0 || ps.st_uid != me) continue;
+    }
     const long fd = syscall(SYS_pidfd_open, static_cast<pid_t>(pid), 0);
     if (fd < 0) continue;  // gone meanwhile
     // The pidfd names one process for good: if the pid still has the start time checked
     // above, the descriptor is that process.
     ProcStat again;
+    const bool in_group = st.pgid == pgid;
     if (read_proc_stat(static_cast<pid_t>(pid), &again) && again.start_time == st.start_time &&
-        again.pgid == pgid && environ_holds(static_cast<pid_t>(pid), env_entry) &&
+        again.pgid == st.pgid &&
+        environ_holds(static_cast<pid_t>(pid), in_group ? env_entry : anywhere_entry) &&
         syscall(SYS_pidfd_send_signal, static_cast<int>(fd), sig, nullptr, 0) == 0)
       ++signalled;
     close(static_cast<int>(fd));

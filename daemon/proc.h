@@ -33,8 +33,12 @@ bool same_process(pid_t pid, uint64_t start_time);
 // hand it to any new session or job, which started later and so passes the time check but not
 // the environment's. Each member is signalled through a pidfd opened before its identity is
 // checked again, so a pid reused in between is not hit either. A process whose environment
-// cannot be read (not dumpable) is left alone. Returns how many processes were signalled.
-int signal_task_group(pid_t pgid, uint64_t since, const std::string& env_entry, int sig);
+// cannot be read (not dumpable) is left alone. anywhere_entry (if not empty) names one launch
+// of one task alone (BUBBLE_LAUNCH): a live process of any group that started at or after
+// since and holds it is signalled as well, so a descendant that left the group (setsid, a
+// daemon) is reached too. Returns how many processes were signalled.
+int signal_task_group(pid_t pgid, uint64_t since, const std::string& env_entry, int sig,
+                      const std::string& anywhere_entry = "");
 
 // The launch wrapper (below) left running for exit_file: a live process of this effective uid,
 // leading its own process group, whose command line is `... --exec-task EXIT_FILE -- ...`.

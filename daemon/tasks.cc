@@ -435,6 +435,7 @@ std::string Agent::launch(TaskRow* row, Hub* hub, bool* passing) {
   put("BUBBLE_RANK=" + std::to_string(hub->rank));
   put("BUBBLE_RUNTIME_DIR=" + cfg_.runtime_dir);
   put("BUBBLE_TASK_ID=" + std::to_string(row->id));
+  put(launch_mark(row->id, row->attempts + 1));
   put("BUBBLE_TASK_NAME=" + row->spec.name);
   put("BUBBLE_PRIORITY=" + std::to_string(row->spec.priority));
   put("BUBBLE_MEM_NEED=" + std::to_string(row->spec.mem_need));
@@ -597,6 +598,11 @@ void Agent::on_task_exit(LiveTask* lt, ExitStatus st) {
   update_timers();
 }
 
+std::string Agent::launch_mark(int64_t id, uint32_t attempt) const {
+  return "BUBBLE_LAUNCH=" + state_dir_id_ + "." + std::to_string(id) + "." +
+         std::to_string(attempt);
+}
+
 void Agent::kill_orphans(const TaskRow& row, bool wrapper_died) {
   // A launched task ends with its main process: whatever is left in its process group (a
   // background job, a worker that ignored SIGTERM) would otherwise run on unsupervised, maybe on
@@ -604,11 +610,13 @@ void Agent::kill_orphans(const TaskRow& row, bool wrapper_died) {
   // killed, not its task: the task's direct child has PR_SET_PDEATHSIG, and this takes the rest.
   // Only processes that started with or after the wrapper, with the task's id in their
   // environment, are taken for members: once the group is empty its number may name somebody
-  // else's job (after a pid wrap or a reboot). A member that cleared its environment is missed.
+  // else's job (after a pid wrap or a reboot). A descendant that left the group (setsid: a
+  // daemon, which would keep writing the task's log unbounded) is found by the launch's own
+  // mark. A process that cleared its environment is missed.
   if (row.origin == "attached" || row.pid <= 0 || row.pid_start == 0) return;
   if (settling_earlier_boot_) return;  // nothing of that boot runs any more
   if (signal_task_group(row.pid, row.pid_start, "BUBBLE_TASK_ID=" + std::to_string(row.id),
-                        SIGKILL) > 0) {
+                        SIGKILL, launch_mark(row.id, row.attempts)) > 0) {
     agent_log("task #%lld: %s; killed what was left of its process group",
               static_cast<long long>(row.id),
               wrapper_died ? "its launch wrapper died without a status" : "it ended");

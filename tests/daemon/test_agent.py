@@ -347,6 +347,36 @@ def test_what_a_task_leaves_running_in_its_process_group_ends_with_it(env):
     assert "it ended; killed what was left of its process group" in env.log_tail()
 
 
+def test_a_descendant_that_left_the_task_s_process_group_ends_with_it_too(env):
+    """A daemon the task started in a session of its own (setsid) is no longer in the task's
+    process group, but it is still the task's: it would run on unsupervised, writing the
+    task's log without a bound. It ends with the task, found by its launch's mark."""
+    env.trainer("j", 0)
+    env.start_agent()
+    pidfile = os.path.join(env.root, "daemon.pid")
+    tid = env.submit("/bin/sh", "-c", f"setsid /bin/sh -c 'echo $$ > {pidfile}; exec sleep 300' "
+                     "& while [ ! -s " + pidfile + " ]; do sleep 0.02; done; exit 0")
+    t = env.wait_state(tid, ("finished", "failed", "killed", "lost"))
+    assert t["state"] == "finished", t
+    daemon = int(open(pidfile).read())
+    wait_until("the task's daemon to be killed", lambda: _gone(daemon))
+    # Not everybody's: a process of the same user, started while a task ran, with that task's
+    # id but another launch's mark (another agent's task of that number, say) is left alone.
+    gate = os.path.join(env.root, "gate")
+    tid2 = env.submit("/bin/sh", "-c", f"while [ ! -e {gate} ]; do sleep 0.02; done")
+    env.wait_state(tid2, "running")
+    other = subprocess.Popen(["sleep", "300"], start_new_session=True,
+                             env=dict(env.env, BUBBLE_TASK_ID=str(tid2),
+                                      BUBBLE_LAUNCH="another-agent.1.1"))
+    try:
+        open(gate, "w").close()
+        assert env.wait_state(tid2, ("finished", "failed"))["state"] == "finished"
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
+
+
 def test_a_chatty_task_keeps_only_the_newest_output_within_the_log_bound(env):
     """A task that writes without end cannot fill the disk: past --log-max-bytes its oldest
     output is dropped, the newest stays readable, and a follower is told what it missed."""
