@@ -577,6 +577,11 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
     }
   }
   if (spin && shm::spin_until_changed(word, bell, spin, seen_ns)) return BB_OK;
+  // The sleep is on the page's wake word, which only we and the trainer map (shm/layout.h). Read
+  // before we say we sleep: a bump the trainer makes after it (it saw us sleeping) makes the
+  // wait return at once; a bump we do see came after the doorbell (release/acquire), so the
+  // doorbell check below sees the new doorbell and we do not sleep at all.
+  const uint32_t wake = page_->wake.load(std::memory_order_acquire);
   page_->sleeping.store(1, std::memory_order_relaxed);
   std::atomic_thread_fence(std::memory_order_seq_cst);  // pairs with the trainer's fence
   const uint64_t slept_at = now_ns();
@@ -585,7 +590,7 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
     const uint64_t left = sleep_until == UINT64_MAX ? UINT64_MAX
                                                     : sleep_until - std::min(sleep_until, slept_at);
     if (left > kLivenessSliceNs) predictive_sleep = false;  // it ends at the slice instead
-    w = shm::futex_wait(word, bell, int64_t(std::min<uint64_t>(left, kLivenessSliceNs)));
+    w = shm::futex_wait(&page_->wake, wake, int64_t(std::min<uint64_t>(left, kLivenessSliceNs)));
   }
   page_->sleeping.store(0, std::memory_order_relaxed);
   const uint64_t woke = now_ns();

@@ -1,5 +1,5 @@
-// The side-task runtime: attach to a hub, wait for starts (spin briefly, then sleep on the slot's
-// doorbell futex), tell the trainer about pauses and steps, and the iterative loop that decides
+// The side-task runtime: attach to a hub, wait for starts (spin on the slot's doorbell, then sleep
+// on the wake word of the task's own page), tell the trainer about pauses and steps, and the iterative loop that decides
 // whether the next step fits before the bubble's deadline. It also maps the memory grant the
 // trainer offers and unmaps it when the trainer revokes it, at points where the task is known
 // not to be using it (see bubble.h, "Memory grants").

@@ -44,6 +44,8 @@ struct Trainer::Slot {
   std::atomic<uint32_t> released{0};
   // Written by the service thread before kActive; read by the bubble thread after it.
   const TaskPage* page = nullptr;
+  // The page's wake word, the one word of it the trainer writes (wake_task()).
+  std::atomic<uint32_t>* wake = nullptr;
   Candidate cand;
   uint32_t generation = 0;
   // Bubble thread only (reset by the service thread before kActive).
@@ -131,11 +133,15 @@ bool init_alive_mutex(pthread_mutex_t* m) {
 }
 
 constexpr uint64_t kHelloTimeoutNs = 2'000'000'000ull;
-// How many sleepers a doorbell's futex wake wakes. A slot has one waiter, its task's
-// wait_start; anything else parked on the word (every holder of the hub can wait on it) must
-// not make a wake, on the bubble thread above all, cost one wake-up per waiter. A waiter that
-// takes the wake instead of the task delays the task to its next liveness look (100 ms).
-constexpr int kDoorbellWaiters = 1;
+// Wakes a task that may sleep on its page's wake word, after its doorbell was bumped. The bump
+// of the word (release) is what the task's futex wait compares, and carries the doorbell's
+// change to a task that reads it (shm/layout.h, TaskPage::wake). Only the task and the trainer
+// map the word, so nobody else can take the wake; it wakes one waiter all the same, so a task
+// that parks many threads there costs the caller, the bubble thread above all, one wake-up.
+void wake_task(std::atomic<uint32_t>* wake) {
+  wake->fetch_add(1, std::memory_order_release);
+  shm::futex_wake(wake, 1);
+}
 constexpr size_t kMaxPeers = 64;  // connections holding no task slot
 // A flood of connections holds the service thread for at most this many accepts a loop (the
 // listening socket stays readable, so the next loop takes the rest) ...
@@ -310,7 +316,13 @@ void Trainer::shutdown() {
       SlotCtl* c = slot_ctl(i);
       c->run_epoch.store(0, std::memory_order_release);
       c->doorbell.fetch_add(1, std::memory_order_release);
-      shm::futex_wake(&c->doorbell, kDoorbellWaiters);
+      // We are the bubble thread (bb_trainer_close's contract): the service thread unmaps a
+      // task's page only once this thread released the slot, so an active slot's page stays
+      // mapped until we return. A dead slot's task is gone or has hung up, and is not woken.
+      if (!slots_) continue;  // init() failed before it made them
+      Slot& s = slots_[i];
+      if (SlotState(s.state.load(std::memory_order_acquire)) == SlotState::kActive)
+        wake_task(s.wake);
     }
   }
   if (service_.joinable()) {
@@ -437,7 +449,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
     // the new doorbell, or we see it sleeping and wake it.
     std::atomic_thread_fence(std::memory_order_seq_cst);
     if (s.page->sleeping.load(std::memory_order_relaxed)) {
-      shm::futex_wake(&c->doorbell, kDoorbellWaiters);
+      wake_task(s.wake);
       ++wakes;
     }
     running_[n_running_++] = i;
@@ -518,7 +530,7 @@ void Trainer::end_locked(uint64_t now) {
     // A task that acked meanwhile is waiting for the next start, not for this pause.
     if (s.page->sleeping.load(std::memory_order_relaxed) &&
         s.page->acked_epoch.load(std::memory_order_relaxed) != s.epoch) {
-      shm::futex_wake(&c->doorbell, kDoorbellWaiters);
+      wake_task(s.wake);
       ++wakes;
     }
     ++pauses;
@@ -696,7 +708,7 @@ bb_status Trainer::stop_slot(uint64_t task_id) {
   c->stop.store(1, std::memory_order_release);
   c->run_epoch.store(0, std::memory_order_release);
   c->doorbell.fetch_add(1, std::memory_order_release);
-  shm::futex_wake(&c->doorbell, kDoorbellWaiters);
+  if (slots_[slot].wake) wake_task(slots_[slot].wake);
   publish_change();
   return BB_OK;
 }
@@ -1040,21 +1052,19 @@ void Trainer::attach_task(Conn& c, const void* raw) {
     s.page_fd.reset();
     return reject(BB_E_SYSTEM, err);
   }
-  {
-    shm::Mapping rw = shm::map_segment(s.page_fd.get(), shm::kTaskPageSize, true, &err);
-    if (!rw) {
-      s.page_fd.reset();
-      return reject(BB_E_SYSTEM, err);
-    }
-    auto* p = reinterpret_cast<TaskPage*>(rw.data());
-    p->magic = shm::kPageMagic;
-    p->layout_version = shm::kLayoutVersion;
-    p->slot = i;
-  }
-  s.page_map = shm::map_segment(s.page_fd.get(), shm::kTaskPageSize, false, &err);
+  // Mapped writable for one word, the task's wake word (wake_task()); everything else on the
+  // page is the task's, read and validated, never written.
+  s.page_map = shm::map_segment(s.page_fd.get(), shm::kTaskPageSize, true, &err);
   if (!s.page_map) {
     s.page_fd.reset();
     return reject(BB_E_SYSTEM, err);
+  }
+  {
+    auto* p = reinterpret_cast<TaskPage*>(s.page_map.data());
+    p->magic = shm::kPageMagic;
+    p->layout_version = shm::kLayoutVersion;
+    p->slot = i;
+    s.wake = &p->wake;
   }
   s.pidfd = std::move(pidfd);
 
@@ -1194,6 +1204,7 @@ void Trainer::free_released() {
     if (!s.pending_free || !s.released.load(std::memory_order_acquire)) continue;
     drain_reports();  // last words of the task, while its page is still mapped
     s.page = nullptr;
+    s.wake = nullptr;
     s.page_map.reset();
     s.page_fd.reset();
     s.pending_free = false;
@@ -1536,7 +1547,7 @@ void Trainer::ring_doorbell(uint32_t i) {
   SlotCtl* c = slot_ctl(i);
   c->grant_change.fetch_add(1, std::memory_order_release);  // G1
   c->doorbell.fetch_add(1, std::memory_order_release);
-  shm::futex_wake(&c->doorbell, kDoorbellWaiters);
+  if (slots_[i].wake) wake_task(slots_[i].wake);
 }
 
 bb_status Trainer::offer_grant(uint32_t i, uint64_t bytes, uint64_t* id, std::string* error) {

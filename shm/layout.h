@@ -4,9 +4,10 @@
 //   - a header (magic, layout version, sizes) lets a reader reject what it does not understand;
 //   - the hub segment is written by the trainer process only and is mapped read-only into tasks
 //     (a memfd sealed with F_SEAL_FUTURE_WRITE, so it cannot be remapped writable);
-//   - each task writes only its own TaskPage, a separate memfd the trainer maps read-only and
-//     validates on every read (and hands to observers of its own uid only: its descriptor can
-//     write).
+//   - each task writes only its own TaskPage, a separate memfd the trainer validates on every
+//     read (and hands to observers of its own uid only: its descriptor can write). The trainer
+//     writes one word of it, TaskPage::wake, the futex a sleeping task waits on: a word in the
+//     hub would be one every holder of the hub can wait on, and take the task's wakes.
 // Bump kLayoutVersion on any change to these structs.
 #pragma once
 
@@ -25,7 +26,9 @@ constexpr uint64_t kPageMagic = 0x3147415042425542ull;  // "BUBBPAG1"
 // 4: the command ring is gone (the signal line carries every start and pause).
 // 5: HubStats::alive, the trainer's life readable with one load.
 // 6: SlotCtl::signal_generation, the slot's attach on its signal line.
-constexpr uint32_t kLayoutVersion = 7;
+// 7: GrantRecord::device_uuid.
+// 8: TaskPage::wake, the futex word of a sleeping task (it was the slot's doorbell, in the hub).
+constexpr uint32_t kLayoutVersion = 8;
 constexpr size_t kCacheLine = 64;
 constexpr size_t kNameBytes = 48;  // BB_NAME_MAX + NUL
 constexpr uint32_t kReportRingSize = 64;
@@ -140,7 +143,7 @@ struct alignas(kCacheLine) SlotCtl {
   // doorbell, so a waiting task learns all of its start from the line it already watches, and a
   // running one its pause (run_epoch). The trainer rewrites the block only after the task acked
   // the start it describes, so it is stable while the task reads it.
-  std::atomic<uint32_t> doorbell;      // futex word: bumped after every start, pause and stop
+  std::atomic<uint32_t> doorbell;      // bumped after every start, pause and stop
   std::atomic<uint32_t> run_epoch;     // nonzero while the task may run; the task compares
   std::atomic<uint32_t> given_epoch;   // the epoch of the last start: the block describes it
   std::atomic<uint32_t> start_kind;    // bb_bubble_kind
@@ -206,6 +209,12 @@ struct alignas(kCacheLine) TaskPage {
   alignas(kCacheLine) std::atomic<uint32_t> acked_epoch;   // last run epoch it acked a pause for
   // The sleep line: written only around a futex wait.
   alignas(kCacheLine) std::atomic<uint32_t> sleeping;      // 1 while in (or entering) futex wait
+  // The futex word a sleeping task waits on; the one word of the page the trainer writes: bumped
+  // (release) before each wake, after the doorbell. The task reads it (acquire) before it says
+  // it sleeps, so a bump it did not see makes its wait return at once. Only the task, its
+  // trainer and observers of the trainer's uid map the page, so a mere holder of the hub (a task
+  // of another uid) cannot wait here and take the task's wakes, as it could on the doorbell.
+  std::atomic<uint32_t> wake;
   // Status for observers, written at every start and ack; off the bubble thread's path.
   alignas(kCacheLine) std::atomic<uint32_t> state;         // TaskRunState
   std::atomic<uint32_t> started_epoch;

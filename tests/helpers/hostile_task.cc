@@ -11,10 +11,15 @@
 // the error), stays attached for SECONDS and exits 0.
 //
 //   bb_hostile_task SOCKET_PATH SECONDS --park N
-// Parks N threads in FUTEX_WAIT on its slot's doorbell while it always looks asleep and ready
+// Parks N threads in FUTEX_WAIT on its page's wake word while it always looks asleep and ready
 // (its page says sleeping, and it acks every start at once), so every start the trainer gives
 // it ends in a wake. Prints "PARKED"; at a line on stdin (or after SECONDS) prints "WAKES <n>",
 // the number of those threads woken by a FUTEX_WAKE, and exits 0.
+//
+//   bb_hostile_task SOCKET_PATH SECONDS --park-on SLOT N
+// A stranger: parks N threads on another task's wait words, those it can reach (the doorbell of
+// slot SLOT, in the hub it maps like every task), and stays out of the way itself (never
+// acks, so it is started once at most). Prints "PARKED" and "WAKES <n>" as --park does.
 #include <linux/futex.h>
 #include <sys/mman.h>
 #include <sys/select.h>
@@ -37,36 +42,42 @@
 
 namespace {
 
-// --park: N threads parked on the slot's doorbell and one acking every start; prints the
-// number of wakes they saw and exits.
+// --park, --park-on: N threads parked on a wait word (the task's own, or a victim's that a
+// stranger can reach), and for --park one thread acking every start; prints the number of
+// wakes they saw and exits.
 [[noreturn]] void park(unsigned char* hub, const bbtest::RawAttach& a, bb::shm::TaskPage* page,
-                       int n, double seconds) {
+                       int stranger_slot, int n, double seconds) {
   bb::shm::HubView v{hub};
-  bb::shm::SlotCtl* c = v.slot(a.reply.slot);
+  const bool stranger = stranger_slot >= 0;
+  bb::shm::SlotCtl* c = v.slot(stranger ? uint32_t(stranger_slot) : a.reply.slot);
+  // A task waits on its page's wake word; a stranger has no other task's page, only the hub.
+  std::atomic<uint32_t>* word = stranger ? &c->doorbell : &page->wake;
   static std::atomic<uint64_t> wakes{0};
   static std::atomic<int> parked{0};
   for (int i = 0; i < n; ++i) {
-    std::thread([c] {
+    std::thread([word] {
       bool counted = false;
       for (;;) {
-        const uint32_t bell = c->doorbell.load(std::memory_order_acquire);
+        const uint32_t seen = word->load(std::memory_order_acquire);
         if (!counted) counted = true, parked.fetch_add(1);
-        // A wake returns 0; a doorbell that moved before the wait returns EAGAIN (not counted).
-        if (syscall(SYS_futex, reinterpret_cast<uint32_t*>(&c->doorbell), FUTEX_WAIT, bell,
-                    nullptr, nullptr, 0) == 0)
+        // A wake returns 0; a word that moved before the wait returns EAGAIN (not counted).
+        if (syscall(SYS_futex, reinterpret_cast<uint32_t*>(word), FUTEX_WAIT, seen, nullptr,
+                    nullptr, 0) == 0)
           wakes.fetch_add(1);
       }
     }).detach();
   }
-  std::thread([c, page] {
-    for (;;) {  // always ready: acks every start as soon as it sees it
-      page->sleeping.store(1, std::memory_order_relaxed);
-      const uint32_t e = c->given_epoch.load(std::memory_order_acquire);
-      if (page->acked_epoch.load(std::memory_order_relaxed) != e)
-        page->acked_epoch.store(e, std::memory_order_release);
-      usleep(20);
-    }
-  }).detach();
+  if (!stranger) {
+    std::thread([c, page] {
+      for (;;) {  // always ready: acks every start as soon as it sees it
+        page->sleeping.store(1, std::memory_order_relaxed);
+        const uint32_t e = c->given_epoch.load(std::memory_order_acquire);
+        if (page->acked_epoch.load(std::memory_order_relaxed) != e)
+          page->acked_epoch.store(e, std::memory_order_release);
+        usleep(20);
+      }
+    }).detach();
+  }
   while (parked.load() < n) usleep(1000);
   usleep(20000);  // the last ones from their count into their wait
   std::printf("PARKED\n");
@@ -85,9 +96,15 @@ namespace {
 
 int main(int argc, char** argv) {
   const bool resize = argc == 4 && std::strcmp(argv[3], "--resize") == 0;
-  const int park_n = argc == 5 && std::strcmp(argv[3], "--park") == 0 ? std::atoi(argv[4]) : 0;
+  int park_n = argc == 5 && std::strcmp(argv[3], "--park") == 0 ? std::atoi(argv[4]) : 0;
+  int stranger_slot = -1;
+  if (argc == 6 && std::strcmp(argv[3], "--park-on") == 0) {
+    stranger_slot = std::atoi(argv[4]);
+    park_n = std::atoi(argv[5]);
+  }
   if (argc != 3 && !resize && park_n <= 0) {
-    std::fprintf(stderr, "usage: %s SOCKET_PATH SECONDS [--resize | --park N]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s SOCKET_PATH SECONDS [--resize | --park N | --park-on SLOT N]\n",
+                 argv[0]);
     return 64;
   }
   bbtest::RawAttach a;
@@ -104,8 +121,8 @@ int main(int argc, char** argv) {
   std::printf("ATTACHED\n");
   std::fflush(stdout);
   if (park_n > 0)
-    park(const_cast<unsigned char*>(hub), a, reinterpret_cast<bb::shm::TaskPage*>(page), park_n,
-         std::atof(argv[2]));
+    park(const_cast<unsigned char*>(hub), a, reinterpret_cast<bb::shm::TaskPage*>(page),
+         stranger_slot, park_n, std::atof(argv[2]));
   if (resize) {
     const int shrink = ftruncate(a.page_fd, 0) == 0 ? 0 : errno;
     const int grow = ftruncate(a.page_fd, off_t(bb::shm::kTaskPageSize) * 4) == 0 ? 0 : errno;

@@ -136,11 +136,11 @@ TEST_CASE("a_task_cannot_resize_its_page_under_the_trainer") {
   CHECK(dir.files().empty());
 }
 
-TEST_CASE("threads_a_task_parks_on_its_doorbell_cost_a_bubble_one_wake_not_one_each") {
-  // Every holder of the hub can futex-wait on any slot's doorbell. A task that parks many
-  // threads there and always looks asleep must not make each begin wake them all (a syscall
-  // whose cost grows with the waiters, on the trainer's thread): a slot has one waiter, and the
-  // bubble thread wakes one. Counted, not timed: the parked threads count their wakes.
+TEST_CASE("threads_a_task_parks_on_its_wake_word_cost_a_bubble_one_wake_not_one_each") {
+  // A task that parks many threads on its wake word and always looks asleep must not make each
+  // begin wake them all (a syscall whose cost grows with the waiters, on the trainer's thread):
+  // a task has one waiter, and the bubble thread wakes one. Counted, not timed: the parked
+  // threads count their wakes.
   RuntimeDir dir;
   bb_trainer_h t = nullptr;
   REQUIRE(bb_trainer_open("park", 0, nullptr, &t) == BB_OK);
@@ -165,6 +165,60 @@ TEST_CASE("threads_a_task_parks_on_its_doorbell_cost_a_bubble_one_wake_not_one_e
   CHECK(wakes > 0);                      // the trainer does wake a sleeping task it starts
   CHECK(wakes <= 2 * uint64_t(kBubbles));  // at most one per begin and one per end
   CHECK(evil.wait_exit() == 0);
+  bb_trainer_close(t);
+  CHECK(dir.files().empty());
+}
+
+TEST_CASE("a_stranger_parked_on_a_tasks_doorbell_takes_none_of_its_wakes") {
+  // Every holder of the hub can futex-wait on any word of it, a slot's doorbell too. A task
+  // sleeps on a word of its own page instead, which no other task maps: a stranger parked on the
+  // victim's doorbell is never woken, and the victim, asleep between bubbles, is woken at every
+  // one. Before, the trainer's one wake went to whichever waiter came first, the stranger's
+  // threads, and the victim started only at its next liveness look. Counted, not timed.
+  RuntimeDir dir;
+  bb_trainer_h t = nullptr;
+  REQUIRE(bb_trainer_open("stranger", 0, nullptr, &t) == BB_OK);
+  // --die-at never: WAITING before each wait for a start, once the last run is acked.
+  Child victim({BB_TEST_TASK, "stranger", "0", "victim", "imperative", "--wake", "sleep",
+                "--step-us", "20", "--die-at", "never"});
+  REQUIRE(victim.wait_line("ATTACHED") != "");
+  bb_task_info_t info[2];
+  for (auto& i : info) i.size = sizeof i;
+  size_t n = 0;
+  REQUIRE(bb_trainer_tasks(t, info, 2, &n) == BB_OK);
+  REQUIRE(n == 1);
+  const std::string victim_slot = std::to_string(info[0].slot);
+  Child stranger({BB_HOSTILE_TASK, hub_socket(dir, "stranger"), "60", "--park-on", victim_slot,
+                  "16"},
+                 true);
+  REQUIRE(stranger.wait_line("ATTACHED") != "");
+  REQUIRE(stranger.wait_line("PARKED", 30000) != "");
+  // The stranger is stopped, so that every bubble goes to the victim.
+  REQUIRE(bb_trainer_tasks(t, info, 2, &n) == BB_OK);
+  REQUIRE(n == 2);
+  REQUIRE(bb_trainer_stop_task(t, info[std::string(info[0].name) == "victim" ? 1 : 0].id) ==
+          BB_OK);
+  constexpr int kBubbles = 30;
+  int started = 0;
+  for (int i = 0; i < kBubbles; ++i) {
+    REQUIRE(victim.wait_line("WAITING") != "");
+    // Long enough after that for the victim's spin to give up: it sleeps.
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    REQUIRE(bb_bubble_begin(t, 1'000'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+    started += victim.wait_line("STARTED") != "";
+    REQUIRE(bb_bubble_end(t) == BB_OK);
+  }
+  bb_trainer_stats_t st{sizeof st};
+  REQUIRE(bb_trainer_stats(t, &st) == BB_OK);
+  REQUIRE(stranger.write_stdin("count\n"));
+  const std::string line = stranger.wait_line("WAKES");
+  REQUIRE(line != "");
+  MESSAGE("wakes: " << st.wakes << " made by the trainer, " << line.substr(6)
+          << " taken by the stranger");
+  CHECK(started == kBubbles);
+  CHECK(st.wakes > 0);            // the victim slept, and the trainer woke it
+  CHECK(line == "WAKES 0");       // none of them reached the stranger
+  CHECK(stranger.wait_exit() == 0);
   bb_trainer_close(t);
   CHECK(dir.files().empty());
 }

@@ -348,9 +348,11 @@ TEST_CASE("a_task_its_trainer_dropped_takes_no_start_of_the_slots_next_task") {
 
 TEST_CASE("a_task_its_trainer_dropped_while_it_waited_takes_no_start_of_the_slots_next_task") {
   // The same, with the fork already waiting for a start when its slot is reclaimed and given to
-  // the next task: it wakes to the next task's start and must see that it is not its own. It is
-  // stopped meanwhile, so that no liveness look of its wait notices the reclaim first. It waits
-  // asleep, so the test sees it inside its wait (its only sleep after WAITING is the futex).
+  // the next task: it wakes (at its next liveness look: it sleeps on its old page's wake word,
+  // which nothing rings any more) to a doorbell that moved for the next task's start, and must
+  // see that the start is not its own. It is stopped meanwhile, so that it is inside its wait
+  // when the slot changes hands. It waits asleep, so the test sees it inside its wait (its only
+  // sleep after WAITING is the futex).
   RuntimeDir dir;
   Trainer t("stalew");
   Child task(task_args("stalew", "forked", "fork-stale-waiting", {"--wake", "sleep"}));
