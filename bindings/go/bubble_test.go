@@ -518,3 +518,72 @@ func TestCloseWaitsForCallsInFlightOnOtherGoroutines(t *testing.T) {
 		t.Fatalf("Begin after Close got %v", err)
 	}
 }
+
+// A Stats call holds the handle and has not called into the library yet when Close comes on
+// another goroutine: Close must wait for it (watched through its wait) and free the hub only
+// once the call returned, with the live hub's figures. Held, not raced: the hooks stop the call
+// exactly there, so the test fails every time Close frees early.
+func TestCloseFreesTheHubOnlyAfterTheCallInFlight(t *testing.T) {
+	tr, _ := openTrainer(t)
+	entered, release := make(chan struct{}), make(chan struct{})
+	waiting, freed := make(chan struct{}), make(chan struct{})
+	var mu sync.Mutex
+	var order []string
+	note := func(s string) {
+		mu.Lock()
+		order = append(order, s)
+		mu.Unlock()
+	}
+	var waitOnce, freeOnce sync.Once
+	testHookStatsHeld = func() {
+		close(entered)
+		<-release
+	}
+	testHookCloseWaits = func() { waitOnce.Do(func() { close(waiting) }) }
+	testHookCloseFrees = func() {
+		freeOnce.Do(func() {
+			note("hub freed")
+			close(freed)
+		})
+	}
+	defer func() { testHookStatsHeld, testHookCloseWaits, testHookCloseFrees = nil, nil, nil }()
+
+	type result struct {
+		stats TrainerStats
+		err   error
+	}
+	held := make(chan result, 1)
+	go func() {
+		s, err := tr.Stats()
+		note("stats returned")
+		held <- result{s, err}
+	}()
+	select {
+	case <-entered:
+	case <-time.After(20 * time.Second):
+		t.Fatal("the Stats call never reached its hook")
+	}
+	closed := make(chan error, 1)
+	go func() { closed <- tr.Close() }()
+	// Close either frees at once (wrong) or waits for the call: whichever it does comes first.
+	select {
+	case <-waiting:
+	case <-freed:
+		t.Fatal("the hub was freed under a call in flight")
+	case <-time.After(20 * time.Second):
+		t.Fatal("Close neither waited nor freed")
+	}
+	close(release)
+	r := <-held
+	if r.err != nil || r.stats.TasksAttached != 0 {
+		t.Fatalf("the held Stats call got %+v, %v; want the live hub's figures", r.stats, r.err)
+	}
+	if err := <-closed; err != nil {
+		t.Fatal(err)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if strings.Join(order, ", ") != "stats returned, hub freed" {
+		t.Fatalf("order: %v", order)
+	}
+}

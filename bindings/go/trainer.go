@@ -162,6 +162,14 @@ func (t *Trainer) acquire() (C.bb_trainer_h, func(), error) {
 
 func (t *Trainer) release() { t.inflight.Add(-1) }
 
+// Test hooks, nil outside this package's tests: a Stats call holding the handle before it calls
+// into the library, Close waiting for calls in flight, and Close about to free the hub.
+var (
+	testHookStatsHeld  func()
+	testHookCloseWaits func()
+	testHookCloseFrees func()
+)
+
 // Close stops every attached task and removes the hub, once the calls other goroutines have
 // in flight have returned; calls made after it fail. Calling it again does nothing.
 func (t *Trainer) Close() error {
@@ -170,6 +178,9 @@ func (t *Trainer) Close() error {
 	}
 	// Calls in flight are short, but one (Unlend) may block for seconds: back off to 1 ms.
 	for wait := 50 * time.Microsecond; t.inflight.Load() > 0; {
+		if testHookCloseWaits != nil {
+			testHookCloseWaits()
+		}
 		time.Sleep(wait)
 		if wait < time.Millisecond {
 			wait *= 2
@@ -178,6 +189,9 @@ func (t *Trainer) Close() error {
 	h := t.h
 	t.h = nil
 	runtime.SetFinalizer(t, nil)
+	if testHookCloseFrees != nil {
+		testHookCloseFrees()
+	}
 	return call(func() C.bb_status { return C.bb_trainer_close(h) })
 }
 
@@ -270,6 +284,9 @@ func (t *Trainer) Stats() (TrainerStats, error) {
 		return TrainerStats{}, err
 	}
 	defer done()
+	if testHookStatsHeld != nil {
+		testHookStatsHeld()
+	}
 	s := (*C.bb_trainer_stats_t)(C.calloc(1, C.size_t(unsafe.Sizeof(C.bb_trainer_stats_t{}))))
 	defer C.free(unsafe.Pointer(s))
 	s.size = C.uint32_t(unsafe.Sizeof(*s))
