@@ -2,16 +2,21 @@
 
 A pipeline stage spends its bubbles blocked in a receive: the activations of the previous
 stage or the gradients of the next one have not arrived yet. P2PBubbles wraps
-torch.distributed.recv and irecv (the Work's wait()) so that every receive that really has to
-wait becomes a bubble on the stage's Trainer; the model and the schedule stay unchanged:
+torch.distributed.recv, irecv and batch_isend_irecv (the Works' wait()) so that every receive
+that really has to wait becomes a bubble on the stage's Trainer; the model and the schedule stay
+unchanged:
 
     with bubble.Trainer(job, rank) as trainer, P2PBubbles(trainer) as hooks:
         for it in range(iterations):
             hooks.iteration()
             run_1f1b_schedule(...)          # calls dist.recv / dist.irecv as usual
 
-Only code that calls them as torch.distributed.recv/irecv is covered; a name imported with
-`from torch.distributed import recv` before install() keeps the unwrapped function.
+Only code that calls them as torch.distributed.recv/irecv/batch_isend_irecv is covered; a name
+imported with `from torch.distributed import recv` before install() keeps the unwrapped function.
+A batch (batch_isend_irecv) with at least one receive is one receive of the schedule: with a
+schedule published, the first wait() on any of its Works is its bubble (torch may return one
+Work per op, or one for the whole batch); without one, every wait() on its Works that has to
+wait is a bubble, as for irecv. A batch of sends only is passed through.
 
 Given the schedule (schedule=PipelineSchedule(stages, stage, micro_batches)), P2PBubbles
 publishes it to the predictor, one bubble per receive with the times measured by the library,
@@ -54,23 +59,50 @@ class _BubbleWork:
         return getattr(self._work, name)
 
 
+class _Batch:
+    """One batch_isend_irecv with a receive: whether its bubble (the first wait()) is still to
+    come, for a published schedule, which counts the batch as one receive."""
+
+    __slots__ = ("pending",)
+
+    def __init__(self) -> None:
+        self.pending = True
+
+
+class _BatchWork(_BubbleWork):
+    """A Work of a batch with a receive (torch returns one per op, or one for the batch)."""
+
+    def __init__(self, work: Any, hooks: "P2PBubbles", batch: _Batch) -> None:
+        super().__init__(work, hooks)
+        self._batch = batch
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        if self._hooks.published:
+            if not self._batch.pending:  # the batch's one position is taken
+                return self._work.wait(*args, **kwargs)
+            self._batch.pending = False
+        return self._hooks._wait(self._work, *args, **kwargs)
+
+
+def _unwrap(op: Any) -> Any:
+    """torch's own function under any P2PBubbles wrappers of it."""
+    while getattr(op, "_bubble_inner", None) is not None:
+        op = op._bubble_inner
+    return op
+
+
 def _torch_op(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """P2POp's arguments with its op (first, or op=) unwrapped to torch's own function."""
-
-    def unwrap(op: Any) -> Any:
-        while getattr(op, "_bubble_inner", None) is not None:
-            op = op._bubble_inner
-        return op
-
     if args:
-        return (unwrap(args[0]), *args[1:]), kwargs
+        return (_unwrap(args[0]), *args[1:]), kwargs
     if "op" in kwargs:
-        return args, {**kwargs, "op": unwrap(kwargs["op"])}
+        return args, {**kwargs, "op": _unwrap(kwargs["op"])}
     return args, kwargs
 
 
 class P2PBubbles:
-    """Wraps torch.distributed.recv/irecv while installed (use it as a context manager).
+    """Wraps torch.distributed.recv/irecv/batch_isend_irecv while installed (use it as a
+    context manager).
 
     expected: the bubble length to announce in seconds (None: the library predicts it from
     the same bubble of earlier iterations, numbered from each iteration() call).
@@ -102,8 +134,11 @@ class P2PBubbles:
     def install(self) -> None:
         if self._saved is not None:
             raise RuntimeError("P2PBubbles is already installed")
-        saved = {"recv": dist.recv, "irecv": dist.irecv, "P2POp": dist.P2POp}
+        saved = {"recv": dist.recv, "irecv": dist.irecv, "P2POp": dist.P2POp,
+                 "batch_isend_irecv": dist.batch_isend_irecv}
         orig_recv, orig_irecv = saved["recv"], saved["irecv"]
+        orig_batch = saved["batch_isend_irecv"]
+        torch_irecv = _unwrap(orig_irecv)
 
         def recv(tensor, src=None, group=None, tag=0):
             if self._saved is None:  # uninstalled under a later instance's wrappers
@@ -123,10 +158,17 @@ class P2PBubbles:
                 return work
             return _BubbleWork(work, self)
 
+        def batch_isend_irecv(p2p_op_list):
+            works = orig_batch(p2p_op_list)
+            if (self._saved is None or not works or
+                    not any(_unwrap(getattr(op, "op", None)) is torch_irecv for op in p2p_op_list)):
+                return works
+            batch = _Batch()
+            return [w if w is None else _BatchWork(w, self, batch) for w in works]
+
         class P2POp(saved["P2POp"]):
             """torch's P2POp, given torch's own irecv for this wrapper of it: torch checks that
-            the op is one of its own, and batch_isend_irecv hands the Works it returns to the
-            process group (a batched receive is not reported as a bubble)."""
+            the op is one of its own (batch_isend_irecv, wrapped too, reports the receive)."""
 
             def __new__(cls, *args: Any, **kwargs: Any) -> Any:
                 args, kwargs = _torch_op(args, kwargs)
@@ -136,12 +178,15 @@ class P2PBubbles:
                 args, kwargs = _torch_op(args, kwargs)
                 super().__init__(*args, **kwargs)
 
-        for name, wrapper in (("recv", recv), ("irecv", irecv), ("P2POp", P2POp)):
+        wrappers = {"recv": recv, "irecv": irecv, "P2POp": P2POp,
+                    "batch_isend_irecv": batch_isend_irecv}
+        for name, wrapper in wrappers.items():
             wrapper._bubble_inner = saved[name]  # type: ignore[attr-defined]
             wrapper._bubble_owner = self  # type: ignore[attr-defined]
         self._saved = saved
-        self._wrappers = {"recv": recv, "irecv": irecv, "P2POp": P2POp}
-        dist.recv, dist.irecv, dist.P2POp = recv, irecv, P2POp
+        self._wrappers = wrappers
+        for name, wrapper in wrappers.items():
+            setattr(dist, name, wrapper)
 
     def uninstall(self) -> None:
         """Puts back what install() found, less the wrappers of instances uninstalled since.

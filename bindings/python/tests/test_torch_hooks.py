@@ -2,6 +2,11 @@
 installed, and what it leaves behind."""
 from __future__ import annotations
 
+import datetime
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 import bubble
@@ -10,11 +15,12 @@ torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 c10d = pytest.importorskip("torch.distributed.distributed_c10d")
 
+from bubble.adapters import PipelineSchedule  # noqa: E402
 from bubble.torch_hooks import P2PBubbles  # noqa: E402  (needs torch)
 
 
 def originals():
-    return dist.recv, dist.irecv, dist.P2POp
+    return dist.recv, dist.irecv, dist.P2POp, dist.batch_isend_irecv
 
 
 def test_a_batched_receive_can_be_made_of_the_wrapped_irecv(job):
@@ -75,3 +81,67 @@ def test_a_trainer_closed_under_the_hooks_never_breaks_a_receive(job):
     assert hooks.bubbles == 1
     assert hooks.report_errors == 2  # the begin (no end for a bubble never begun), the mark
     assert isinstance(hooks.last_report_error, ValueError)
+
+
+_SENDER = textwrap.dedent("""
+    import datetime, sys, torch, torch.distributed as dist
+    dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    dist.send(torch.tensor([1.0, 2.0]), dst=1)       # batch 1: a receive alone
+    buf = torch.zeros(2)
+    dist.recv(buf, src=1)                            # batch 2: a send and a receive
+    dist.send(buf * 2, dst=1)
+    dist.recv(buf, src=1)                            # batch 3: a send alone
+    ok = buf.tolist() == [5.0, 6.0]
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)
+""")
+
+
+def test_a_batched_receive_is_one_bubble_of_the_published_schedule(job, tmp_path):
+    """Real batch_isend_irecv over gloo, with a stage of another process: a batch with a
+    receive is one bubble of the published schedule, whichever of its Works are waited on and
+    however many torch returns (one per op here), and a batch of sends only is none. The data
+    come through the wrapped Works unchanged, and uninstall puts torch's function back."""
+    store = f"file://{tmp_path}/store"
+    sender = subprocess.Popen([sys.executable, "-c", _SENDER, store])
+    try:
+        dist.init_process_group("gloo", init_method=store, rank=1, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        try:
+            before = originals()
+            schedule = PipelineSchedule(stages=2, stage=1, micro_batches=2)
+            with bubble.Trainer(job, 0) as trainer, \
+                    P2PBubbles(trainer, schedule=schedule) as hooks:
+                assert hooks.published
+                got = torch.zeros(2)
+                works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, got, 0)])
+                for w in works:
+                    w.wait()
+                assert got.tolist() == [1.0, 2.0]
+                assert hooks.bubbles == 1
+
+                back = torch.zeros(2)
+                works = dist.batch_isend_irecv([
+                    dist.P2POp(dist.isend, torch.tensor([3.0, 4.0]), 0),
+                    dist.P2POp(dist.irecv, back, 0)])
+                assert len(works) == 2
+                for w in reversed(works):  # the receive's first, then the send's
+                    w.wait()
+                assert back.tolist() == [6.0, 8.0]
+                assert hooks.bubbles == 2
+
+                sends = [dist.P2POp(dist.isend, torch.tensor([5.0, 6.0]), 0)]
+                works = dist.batch_isend_irecv(sends)
+                for w in works:
+                    w.wait()
+                assert hooks.bubbles == 2
+                assert hooks.report_errors == 0
+            assert originals() == before
+        finally:
+            dist.destroy_process_group()
+        assert sender.wait(timeout=60) == 0
+    finally:
+        if sender.poll() is None:
+            sender.kill()
+            sender.wait()
