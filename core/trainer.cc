@@ -4,6 +4,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <linux/membarrier.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/socket.h>
@@ -34,14 +35,20 @@ using shm::SlotCtl;
 using shm::SlotState;
 using shm::TaskPage;
 
+// The trainer-private state of a slot whose dead task's page nobody uses any more (the hub's
+// SlotCtl::state stays kDead until the slot is free).
+constexpr uint32_t kSlotReleased = 3;
+
 // Trainer-private view of one slot. `state` is the hand-off between the two threads:
 //   service: fills the fields, then state = kActive (release), then publish_change();
 //   service: on death, state = kDead, then publish_change();
-//   bubble thread: on seeing kDead in refresh_slots(), stops touching the page and sets
-//   released = 1 (release); only then does the service thread unmap the page and free the slot.
+//   bubble thread: on seeing kDead in refresh_slots(), stops touching the page and moves the
+//   state from kDead to kSlotReleased, or the service thread does when the bubble thread makes
+//   no call for long (release_idle_slots()); only then does the service thread unmap the page
+//   and free the slot. A compare-exchange either way: a late one cannot mark the slot's next
+//   task, which has its own kActive until it dies.
 struct Trainer::Slot {
   std::atomic<uint32_t> state{uint32_t(SlotState::kFree)};
-  std::atomic<uint32_t> released{0};
   // Written by the service thread before kActive; read by the bubble thread after it.
   const TaskPage* page = nullptr;
   // The page's wake word, the one word of it the trainer writes (wake_task()).
@@ -56,6 +63,7 @@ struct Trainer::Slot {
   shm::Fd pidfd;
   int conn = -1;                // index into conns_, -1 if none
   bool pending_free = false;
+  uint64_t dead_ns = 0;         // when it was reclaimed (pending_free since)
   uint64_t dropped_seen = 0;
   // What the task's reports may still claim (service thread): step time only within wall time
   // since the attach, each interval after the last one reported; one start and one pause
@@ -157,6 +165,9 @@ constexpr int kSoPeerPidfd = 77;
 #endif
 constexpr uint64_t kServiceTickNs = 10'000'000ull;  // report draining while tasks are attached
 constexpr uint64_t kServiceBusyTickNs = 1'000'000ull;  // ... while a task's reports pile up
+// How long a dead task's slot waits for the bubble thread to release it before the service
+// thread does (release_idle_slots()): bubbles that keep coming release it sooner, without it.
+constexpr uint64_t kIdleReleaseNs = 100'000'000ull;
 constexpr uint64_t kMaxSaneNs = 3600'000'000'000ull;
 
 // The process behind a pidfd has exited (its memory is gone).
@@ -278,6 +289,9 @@ bb_status Trainer::init(const char* job_id, uint32_t rank, const bb_trainer_opti
   if (!shm::seal_read_only(hub_fd_.get(), &err)) return fail_msg(BB_E_SYSTEM, err);
 
   slots_.reset(new Slot[opts_.max_slots]);
+  // For release_idle_slots(). Without it (a kernel before 4.14, a sandbox that refuses the
+  // call) a dead task's slot waits for the next bubble, as it always may.
+  membarrier_ = syscall(SYS_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
 
   listen_fd_.reset(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!listen_fd_) return fail(BB_E_SYSTEM, "socket() failed: %s", std::strerror(errno));
@@ -312,6 +326,9 @@ void Trainer::shutdown() {
     // trainer, by their option. Their connections are shut down below (and closed by the closer
     // thread), which they also notice.
     hub_.stats()->closing.store(1, std::memory_order_release);
+    // In a call for good: the service thread frees no slot on its own from here on.
+    bubble_where_.store(kInBubbleCall, std::memory_order_relaxed);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
     for (uint32_t i = 0; i < opts_.max_slots; ++i) {
       SlotCtl* c = slot_ctl(i);
       c->run_epoch.store(0, std::memory_order_release);
@@ -366,12 +383,14 @@ void Trainer::refresh_slots() {
     Slot& s = slots_[i];
     const auto st = SlotState(s.state.load(std::memory_order_acquire));
     const SlotCtl* c = slot_ctl(i);
-    if (st == SlotState::kDead && !s.released.load(std::memory_order_relaxed)) {
+    if (st == SlotState::kDead) {
       cands_[i].active = false;
       // Forget it if it runs in the open bubble: from here on we never touch s.page.
       for (uint32_t k = 0; k < n_running_; ++k)
         if (running_[k] == i) running_[k--] = running_[--n_running_];
-      s.released.store(1, std::memory_order_release);
+      uint32_t dead = uint32_t(SlotState::kDead);  // unless the service thread released it
+      s.state.compare_exchange_strong(dead, kSlotReleased, std::memory_order_acq_rel,
+                                      std::memory_order_relaxed);
       continue;
     }
     // Only a slot published as active has fields the service thread no longer writes. One it
@@ -395,8 +414,23 @@ bool Trainer::task_ready(uint32_t i) {
            s.grant_ready.load(std::memory_order_acquire) == 0);
 }
 
+// The bubble thread's mark for release_idle_slots(): in a call from construction, and at
+// destruction whether a bubble is left open. The release store orders the call's accesses to
+// task pages before it; the entry's store needs no fence (the service thread's membarrier).
+struct Trainer::BubbleCall {
+  explicit BubbleCall(Trainer* t) : t_(t) {
+    t_->bubble_where_.store(kInBubbleCall, std::memory_order_relaxed);
+    std::atomic_signal_fence(std::memory_order_seq_cst);
+  }
+  ~BubbleCall() { t_->bubble_where_.store(t_->open_ ? kBubbleOpen : 0, std::memory_order_release); }
+  BubbleCall(const BubbleCall&) = delete;
+  BubbleCall& operator=(const BubbleCall&) = delete;
+  Trainer* t_;
+};
+
 bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind kind) {
   prefetch_warm();
+  const BubbleCall call(this);
   if (unsigned(kind) >= BB_BUBBLE_KIND_COUNT_)
     return fail(BB_E_INVALID, "bubble kind %d is not a bb_bubble_kind", int(kind));
   refresh_slots();
@@ -497,6 +531,7 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
 bb_status Trainer::end() {
   if (!open_) return BB_OK;
   prefetch_warm();  // the tasks to pause are the ones the begin started
+  const BubbleCall call(this);
   refresh_slots();
   end_locked(now_ns());
   return BB_OK;
@@ -827,6 +862,7 @@ void Trainer::serve() {
       if (c && c->kind == Conn::kHello && now > c->hello_deadline_ns) c.reset();
     drain_reports();
     grant_tick(now_ns());
+    release_idle_slots(now_ns());
     free_released();
   }
   drain_reports();
@@ -995,11 +1031,12 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   if (i == opts_.max_slots) {
     uint32_t freeing = 0;
     for (uint32_t k = 0; k < opts_.max_slots; ++k) freeing += slots_[k].pending_free ? 1 : 0;
-    if (freeing)  // freed by the bubble thread, which may be between bubbles for a while
+    if (freeing)  // let go of at the bubble thread's next call, or within about 0.1 s
       return reject(BB_E_FULL, "hub " + job_ + "." + std::to_string(rank_) + " has no free "
                     "task slot: " + std::to_string(freeing) + " of its " +
-                    std::to_string(opts_.max_slots) + " are freed at the trainer's next "
-                    "bubble (bb_bubble_begin/end); try again then");
+                    std::to_string(opts_.max_slots) + " held tasks that left and are being "
+                    "freed (within about 0.1 s, or at the end of the bubble open now); try "
+                    "again then");
     return reject(BB_E_FULL, "hub " + job_ + "." + std::to_string(rank_) + " has all " +
                                  std::to_string(opts_.max_slots) +
                                  " task slots in use: detach a task, or open the hub with a "
@@ -1098,7 +1135,6 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   s.dropped_seen = 0;
   s.steps_until_ns = now_ns();
   s.started_seen = s.paused_seen = 0;
-  s.released.store(0, std::memory_order_relaxed);
   s.grant_ready.store(0, std::memory_order_relaxed);
   s.task_id = uint64_t(i) | uint64_t(gen) << 32;
   s.grant = 0;
@@ -1189,6 +1225,7 @@ void Trainer::reclaim(uint32_t i, bool died) {
   ctl->run_epoch.store(0, std::memory_order_release);
   s.state.store(uint32_t(SlotState::kDead), std::memory_order_release);
   s.pending_free = true;
+  s.dead_ns = now_ns();
   publish_change();
   grant_on_reclaim(i, died);
   if (s.conn >= 0 && size_t(s.conn) < conns_.size()) conns_[size_t(s.conn)].reset();
@@ -1198,10 +1235,41 @@ void Trainer::reclaim(uint32_t i, bool died) {
   log_service(shm::EventKind::kTaskDetach, i, now_ns(), uint64_t(ctl->pid), died ? 1 : 0);
 }
 
+void Trainer::release_idle_slots(uint64_t now) {
+  // A dead task's slot is freed once the bubble thread released it, at its next begin or end. A
+  // trainer between bubbles for long (an evaluation, a checkpoint) would hold the slot, its page
+  // and its descriptor until then, and tasks that come and go meanwhile could fill the table.
+  // So a slot dead for kIdleReleaseNs is released here, if the bubble thread is in no call and
+  // no bubble is open. The membarrier has every thread of the process execute a full fence
+  // while it runs: afterwards either the bubble thread's mark shows it in a call (tried again
+  // at the next tick), or any call it starts later sees the slot dead (refresh_slots(), through
+  // slots_changed_, bumped when the slot died) and never touches its page. Its last call's
+  // accesses came before its mark's release store, which the acquire load below reads.
+  if (!membarrier_) return;
+  bool any = false;
+  for (uint32_t i = 0; i < opts_.max_slots && !any; ++i) {
+    const Slot& s = slots_[i];
+    any = s.pending_free &&
+          s.state.load(std::memory_order_relaxed) == uint32_t(SlotState::kDead) &&
+          now - std::min(now, s.dead_ns) >= kIdleReleaseNs;
+  }
+  // In a call, or a bubble open (which keeps its started tasks' pages to its end): the syscall
+  // would say no more than this look does.
+  if (!any || bubble_where_.load(std::memory_order_relaxed) != 0) return;
+  if (syscall(SYS_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) != 0) return;
+  if (bubble_where_.load(std::memory_order_acquire) != 0) return;
+  for (uint32_t i = 0; i < opts_.max_slots; ++i) {
+    if (!slots_[i].pending_free) continue;
+    uint32_t dead = uint32_t(SlotState::kDead);  // unless the bubble thread did meanwhile
+    slots_[i].state.compare_exchange_strong(dead, kSlotReleased, std::memory_order_acq_rel,
+                                            std::memory_order_relaxed);
+  }
+}
+
 void Trainer::free_released() {
   for (uint32_t i = 0; i < opts_.max_slots; ++i) {
     Slot& s = slots_[i];
-    if (!s.pending_free || !s.released.load(std::memory_order_acquire)) continue;
+    if (!s.pending_free || s.state.load(std::memory_order_acquire) != kSlotReleased) continue;
     drain_reports();  // last words of the task, while its page is still mapped
     s.page = nullptr;
     s.wake = nullptr;

@@ -5,7 +5,8 @@
 //     allocation; it reads trainer-private state and task pages it has not yet let go of;
 //   - the hub service thread: accepts attaches, watches each task's connection and pidfd,
 //     drains task reports into statistics and the event log, and frees dead slots once the bubble
-//     thread has acknowledged them (so a task page is never unmapped under the bubble thread).
+//     thread has acknowledged them, or once a membarrier showed it in no call and no bubble open
+//     (so a task page is never unmapped under the bubble thread).
 //     It also does all memory-grant work: grants, revocations, kills of tasks that ignore a
 //     revoke, and releases. The bubble thread only reads, per slot, which grant a task holds.
 #pragma once
@@ -65,6 +66,7 @@ class Trainer {
   struct Slot;
   struct Conn;
   struct Request;
+  struct BubbleCall;
 
  private:
   Trainer() = default;
@@ -101,6 +103,7 @@ class Trainer {
   void handle_observer_request(Conn& c);
   void reclaim(uint32_t slot, bool died);
   void drain_reports();  // sets reports_busy_
+  void release_idle_slots(uint64_t now);
   void free_released();
   void publish_change() { slots_changed_.fetch_add(1, std::memory_order_seq_cst); }
   void task_message(Conn& c);
@@ -141,6 +144,11 @@ class Trainer {
   uint32_t span_ = 0;  // one past the highest slot that may be active
   uint32_t rr_cursor_ = 0;
   uint32_t n_running_ = 0;
+  // Where the bubble thread is, for release_idle_slots(): kInBubbleCall inside begin, end or the
+  // close, else kBubbleOpen while a bubble is open, else 0. A plain store on entry and one on
+  // return (no fence on the bubble path): the service thread's membarrier orders them.
+  static constexpr uint32_t kInBubbleCall = 1, kBubbleOpen = 2;
+  std::atomic<uint32_t> bubble_where_{0};
   bool open_ = false;
   bool iteration_pending_ = false;  // iteration() came while a bubble was open: see iteration()
   bb_bubble_kind kind_ = BB_BUBBLE_OTHER;
@@ -196,6 +204,8 @@ class Trainer {
   std::vector<Request*> requests_;
   bool service_done_ = false;
   bool alive_init_ = false;  // the hub's liveness mutex is initialised (shm::HubStats::alive_mutex)
+  // The process is registered for MEMBARRIER_CMD_PRIVATE_EXPEDITED (release_idle_slots()).
+  bool membarrier_ = false;
   // Service thread only: tasks killed after leaving their slot, whose grants are released when
   // the kernel says they are gone; and whether a grant was released since one failed for room.
   struct Doomed {

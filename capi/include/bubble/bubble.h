@@ -240,7 +240,8 @@ typedef struct bb_trainer_stats_t {
   uint64_t start_latency_p50_ns, start_latency_p99_ns; /* bubble begin -> task running */
   uint64_t pause_latency_p50_ns, pause_latency_p99_ns; /* bubble end -> task acked pause */
   uint64_t tasks_reclaimed;     /* slots freed after their task detached or died (a slot is
-                                   freed at the trainer's next bubble call after that) */
+                                   freed at the trainer's next bubble call after that, or
+                                   0.1 s after it while no bubble is open and none comes) */
   uint64_t tasks_bad;           /* tasks marked bad: their page failed validation */
   uint64_t events_dropped;      /* reports lost to full rings */
 } bb_trainer_stats_t;
