@@ -31,7 +31,7 @@ using namespace bb::daemon;
 namespace proto = bb::proto;
 
 const char kUsage[] =
-    "usage: bubblectl [--socket PATH] COMMAND [ARGS]\n"
+    "usage: bubblectl [--socket PATH | --runtime-dir DIR] COMMAND [ARGS]\n"
     "commands:\n"
     "  submit [--name N] [--hub auto|JOB:RANK] [--gpu N] [--priority P] [--mem SIZE]\n"
     "         [--mps-priority 0|1] [--mps-mem-limit SIZE] [--env KEY=VALUE]... [--cwd DIR]\n"
@@ -56,7 +56,9 @@ const char kUsage[] =
     "SIZE: bytes, or with K, M, G, T (powers of 1024), e.g. 512M\n"
     "Exit status (besides wait's): 0 done, 2 a usage error, 141 the reader of the output went\n"
     "away, 1 any other failure (the message says which).\n"
-    "The socket defaults to $BUBBLE_AGENT_SOCKET, else <runtime dir>/agent/bubbled.sock.\n";
+    "The socket defaults to $BUBBLE_AGENT_SOCKET, else <runtime dir>/agent/bubbled.sock, the\n"
+    "runtime dir being --runtime-dir's (an agent started with bubbled --runtime-dir DIR),\n"
+    "else $BUBBLE_RUNTIME_DIR, else $XDG_RUNTIME_DIR/bubble, else /tmp/bubble-<uid>.\n";
 
 [[noreturn]] void die(const std::string& msg, int code = 1) {
   fprintf(stderr, "bubblectl: %s\n", msg.c_str());
@@ -760,12 +762,14 @@ int cmd_events(Client& c, const std::vector<std::string>& args, bool svg) {
 }
 
 int run(int argc, char** argv) {
-  std::string socket;
+  std::string socket, runtime;
   int i = 1;
   for (; i < argc; ++i) {
     std::string a = argv[i];
     if (a == "--socket" && i + 1 < argc) {
       socket = argv[++i];
+    } else if (a == "--runtime-dir" && i + 1 < argc) {
+      runtime = argv[++i];
     } else if (a == "-h" || a == "--help" || a == "help") {
       fputs(kUsage, stdout);
       return 0;
@@ -776,7 +780,10 @@ int run(int argc, char** argv) {
   if (i >= argc) usage_error("no command given");
   std::string cmd = argv[i++];
   std::vector<std::string> args(argv + i, argv + argc);
-  if (socket.empty()) socket = default_agent_socket(bb::core::default_runtime_dir());
+  if (!socket.empty() && !runtime.empty())
+    usage_error("--socket and --runtime-dir both name the agent's socket: give one");
+  if (socket.empty())
+    socket = default_agent_socket(runtime.empty() ? bb::core::default_runtime_dir() : runtime);
   try {
     if (cmd == "wait") return cmd_wait(socket, args);
     static const char* known[] = {"submit", "list",    "status", "cancel", "drain",

@@ -627,3 +627,29 @@ def test_bubblectl_ends_when_its_output_cannot_be_written(env):
                            stderr=subprocess.PIPE, text=True, timeout=30)
     assert p.returncode == 1 and "cannot write the output" in p.stderr, (p.returncode, p.stderr)
     env.ctl("cancel", str(tid))
+
+
+def test_bubblectl_reaches_an_agent_by_its_runtime_dir(env):
+    """An agent started with --runtime-dir DIR and no --socket listens in DIR; bubblectl
+    --runtime-dir DIR reaches it without the environment that named DIR, and without it (or with
+    another DIR) says where it looked."""
+    rt = os.path.join(env.root, "elsewhere")
+    bare = {k: v for k, v in env.env.items()
+            if k not in ("BUBBLE_RUNTIME_DIR", "XDG_RUNTIME_DIR", "BUBBLE_AGENT_SOCKET")}
+    bare["XDG_RUNTIME_DIR"] = os.path.join(env.root, "xdg")  # never /run/user of the machine
+    env.spawn([BUBBLED, "--runtime-dir", rt, "--state-dir", env.state, "--metrics-port", "off"],
+              "agent.log", env=bare)
+    sock = os.path.join(rt, "agent", "bubbled.sock")
+    wait_until("the agent's socket", lambda: subprocess.run(
+        [BUBBLECTL, "--runtime-dir", rt, "status"], env=bare, capture_output=True,
+        timeout=30).returncode == 0)
+    r = subprocess.run([BUBBLECTL, "--runtime-dir", rt, "list"], env=bare, capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run([BUBBLECTL, "status"], env=bare, capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 1 and "no agent at" in r.stderr, (r.returncode, r.stderr)
+    assert sock not in r.stderr
+    r = subprocess.run([BUBBLECTL, "--runtime-dir", rt, "--socket", sock, "status"], env=bare,
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "give one" in r.stderr, (r.returncode, r.stderr)
