@@ -202,8 +202,8 @@ TEST_CASE("a_stranger_parked_on_a_tasks_doorbell_takes_none_of_its_wakes") {
   int started = 0;
   for (int i = 0; i < kBubbles; ++i) {
     REQUIRE(victim.wait_line("WAITING") != "");
-    // Long enough after that for the victim's spin to give up: it sleeps.
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    // Its spin given up, it sleeps (its one blocking call after WAITING is the futex).
+    REQUIRE(bbtest::eventually([&] { return bbtest::proc_state(victim.pid()) == 'S'; }));
     REQUIRE(bb_bubble_begin(t, 1'000'000'000, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
     started += victim.wait_line("STARTED") != "";
     REQUIRE(bb_bubble_end(t) == BB_OK);
