@@ -140,20 +140,23 @@ class P2PBubbles:
         orig_batch = saved["batch_isend_irecv"]
         torch_irecv = _unwrap(orig_irecv)
 
-        def recv(tensor, src=None, group=None, tag=0):
+        # **kw: what a newer torch takes besides (group_src, since 2.6), passed on as given.
+        def recv(tensor, src=None, group=None, tag=0, **kw):
             if self._saved is None:  # uninstalled under a later instance's wrappers
-                return orig_recv(tensor, src, group, tag)
-            if src is None:  # receive-from-any has no irecv form: report the whole call
+                return orig_recv(tensor, src, group, tag, **kw)
+            if src is None or kw:
+                # Receive-from-any has no irecv form, and with a newer torch's arguments what
+                # recv returns is torch's to work out: report the whole call.
                 with self._bubble():
-                    return orig_recv(tensor, src, group, tag)
+                    return orig_recv(tensor, src, group, tag, **kw)
             work = orig_irecv(tensor, src, group, tag)
             if work is None:  # this rank is not in the group, as dist.recv reports it
                 return -1
             self._wait(work)
             return src
 
-        def irecv(tensor, src=None, group=None, tag=0):
-            work = orig_irecv(tensor, src, group, tag)
+        def irecv(tensor, src=None, group=None, tag=0, **kw):
+            work = orig_irecv(tensor, src, group, tag, **kw)
             if self._saved is None or work is None:
                 return work
             return _BubbleWork(work, self)

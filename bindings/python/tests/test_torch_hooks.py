@@ -83,6 +83,32 @@ def test_a_trainer_closed_under_the_hooks_never_breaks_a_receive(job):
     assert isinstance(hooks.last_report_error, ValueError)
 
 
+def test_a_newer_torchs_receive_arguments_are_passed_on(job, monkeypatch):
+    """torch 2.6 added group_src to recv and irecv: the wrappers pass such arguments on as
+    given and still report the receive (here over stand-ins with that signature, as Debian's
+    torch 1.13 has none)."""
+    calls = []
+
+    def recv(tensor, src=None, group=None, tag=0, group_src=None):
+        calls.append(("recv", src, group_src))
+        return 7
+
+    def irecv(tensor, src=None, group=None, tag=0, group_src=None):
+        calls.append(("irecv", src, group_src))
+        return _PendingWork()
+
+    monkeypatch.setattr(dist, "recv", recv)
+    monkeypatch.setattr(dist, "irecv", irecv)
+    with bubble.Trainer(job, 0) as trainer, P2PBubbles(trainer) as hooks:
+        t = torch.zeros(1)
+        assert dist.recv(t, group_src=1) == 7
+        assert dist.irecv(t, group_src=1).wait() == "received"
+        assert dist.recv(t, 1) == 1  # the torch 1.13 form, through irecv as before
+        assert calls == [("recv", None, 1), ("irecv", None, 1), ("irecv", 1, None)]
+        assert (hooks.bubbles, hooks.report_errors) == (3, 0)
+    assert (dist.recv, dist.irecv) == (recv, irecv)
+
+
 _SENDER = textwrap.dedent("""
     import datetime, sys, torch, torch.distributed as dist
     dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=2,
