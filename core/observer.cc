@@ -341,6 +341,8 @@ HubSnapshot HubObserver::snapshot() const {
     t.step_ns = c->step_ns.load(std::memory_order_relaxed);
     t.ns_in_bubbles = c->ns_in_bubbles.load(std::memory_order_relaxed);
     t.ns_outside = c->ns_outside.load(std::memory_order_relaxed);
+    // Given to another task while we copied it: the row would mix the two (Trainer::tasks()).
+    if (!shm::slot_still(c, gen)) continue;
     const uint32_t paused_epoch = c->paused_epoch.load(std::memory_order_acquire);
     if (const shm::TaskPage* p = impl_->page(i, gen)) {
       // The task's words: clamp to known values rather than trust them.

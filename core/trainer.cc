@@ -700,7 +700,8 @@ bb_status Trainer::tasks(bb_task_info_t* out, size_t cap, size_t* count) {
       std::memset(&t, 0, sizeof t);
       t.size = size;
       t.slot = i;
-      t.id = uint64_t(i) | uint64_t(c->generation.load(std::memory_order_relaxed)) << 32;
+      const uint32_t gen = c->generation.load(std::memory_order_relaxed);
+      t.id = uint64_t(i) | uint64_t(gen) << 32;
       t.pid = c->pid;
       t.priority = c->priority;
       t.mem_need = c->mem_need;
@@ -713,6 +714,10 @@ bb_status Trainer::tasks(bb_task_info_t* out, size_t cap, size_t* count) {
       t.ns_outside = c->ns_outside.load(std::memory_order_relaxed);
       std::memcpy(t.name, c->name, sizeof t.name);
       t.name[sizeof t.name - 1] = 0;
+      // The slot went to another task while we copied it (its task left and the service thread
+      // freed and gave it again): the row would mix the two. The slot is left out, as if read
+      // a moment later, before its next task was listed.
+      if (!shm::slot_still(c, gen)) continue;
     }
     ++n;
   }

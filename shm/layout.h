@@ -192,6 +192,16 @@ struct alignas(kCacheLine) SlotCtl {
 };
 static_assert(offsetof(SlotCtl, stop) == kCacheLine, "the signal line is one cache line");
 
+// After copying an active slot's identity (pid, name, priority: plain words its next task's
+// attach rewrites), whether the slot still serves the attach `generation` read before the copy:
+// if not, the copy may mix two tasks. The fence keeps the copy's loads before the checks, as a
+// seqlock's reader does; a new attach's kActive (acquire) shows its new generation.
+inline bool slot_still(const SlotCtl* c, uint32_t generation) {
+  std::atomic_thread_fence(std::memory_order_acquire);
+  return c->state.load(std::memory_order_acquire) == uint32_t(SlotState::kActive) &&
+         c->generation.load(std::memory_order_relaxed) == generation;
+}
+
 enum class TaskRunState : uint32_t { kIdle = 0, kRunning = 1, kFinished = 2, kFailed = 3 };
 
 // The page a task writes. Nothing in it is trusted by the trainer.
