@@ -56,6 +56,11 @@ bb_status read_options(const T* in, const T& defaults, size_t min_size, const ch
   if (in->size < min_size)
     return fail(BB_E_INVALID, "%s.size is %u: initialise the struct with its _init() function or "
                 "_INIT macro", what, in->size);
+  // Every version of the struct is a whole number of its alignment: a size that is not ends
+  // inside a field, which a copy would take half of (half a callback's address, say).
+  if (in->size % alignof(T) != 0)
+    return fail(BB_E_INVALID, "%s.size is %u, which ends inside a field: initialise the struct "
+                "with its _init() function or _INIT macro", what, in->size);
   std::memcpy(out, in, std::min<size_t>(in->size, sizeof(T)));
   out->size = sizeof(T);
   return BB_OK;
@@ -185,6 +190,7 @@ bb_status bb_trainer_tasks(bb_trainer_h trainer, bb_task_info_t* out, size_t cap
                            size_t* count) {
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
   if (!count) return fail(BB_E_INVALID, "count is NULL");
+  *count = 0;
   if (cap > 0 && !out) return fail(BB_E_INVALID, "out is NULL but cap is %zu", cap);
   // The elements' size is the array's stride: a caller built against an older, shorter
   // bb_task_info_t passes its own and gets the fields it knows (a newer, longer one keeps what
@@ -196,7 +202,10 @@ bb_status bb_trainer_tasks(bb_trainer_h trainer, bb_task_info_t* out, size_t cap
     return size;
   };
   const uint32_t stride = cap ? size_at(0, 0) : 0;
-  if (cap && stride < sizeof(uint32_t) * 2)
+  // The stride places every element: a size no version of the struct has (beyond 64 KiB, or
+  // not a whole number of its alignment) is a caller's mistake, never an address to go to.
+  if (cap && (stride < sizeof(uint32_t) * 2 || stride > 65536 ||
+              stride % alignof(bb_task_info_t) != 0))
     return fail(BB_E_INVALID, "out[0].size is %u: set it to sizeof(bb_task_info_t) in every "
                 "element before the call", stride);
   for (size_t i = 1; i < cap; ++i)
@@ -204,11 +213,12 @@ bb_status bb_trainer_tasks(bb_trainer_h trainer, bb_task_info_t* out, size_t cap
       return fail(BB_E_INVALID, "out[%zu].size is %u but out[0].size is %u: set the same size "
                   "(sizeof(bb_task_info_t)) in every element", i, size_at(i, stride), stride);
   BB_GUARD({
-    std::vector<bb_task_info_t> all(cap);
+    // No hub has more tasks than this, whatever the caller's room.
+    std::vector<bb_task_info_t> all(std::min<size_t>(cap, BB_MAX_SLOTS_LIMIT));
     for (auto& t : all) t.size = sizeof t;
-    const bb_status st = impl(trainer)->tasks(all.data(), cap, count);
+    const bb_status st = impl(trainer)->tasks(all.data(), all.size(), count);
     if (st != BB_OK) return st;
-    for (size_t i = 0; i < cap && i < *count; ++i) {
+    for (size_t i = 0; i < all.size() && i < *count; ++i) {
       std::memcpy(base + i * stride, &all[i], std::min<size_t>(stride, sizeof all[i]));
       std::memcpy(base + i * stride, &stride, sizeof stride);
     }
@@ -269,7 +279,8 @@ bb_status bb_task_wait_start(bb_task_h task, int64_t timeout_ns, bb_start_info_t
     return fail(BB_E_INVALID, "out->size is %u: set it to sizeof(bb_start_info_t)", out->size);
   bb_start_info_t info{};
   info.size = sizeof info;
-  const bb_status st = impl(task)->wait_start(timeout_ns, &info);
+  bb_status st = BB_OK;
+  BB_GUARD(st = impl(task)->wait_start(timeout_ns, &info));
   if (st == BB_OK && out) write_out(info, out, "out");
   return st;
 }
@@ -279,7 +290,7 @@ int bb_task_should_pause(bb_task_h task) { return task ? impl(task)->should_paus
 bb_status bb_task_ack_pause(bb_task_h task) {
   if (!task) return fail(BB_E_INVALID, "task is NULL");
   if (refused_in_run(task, "bb_task_ack_pause")) return BB_E_STATE;
-  return impl(task)->ack_pause();
+  BB_GUARD(return impl(task)->ack_pause());
 }
 
 bb_status bb_task_report_step(bb_task_h task, uint64_t step_ns) {
@@ -377,6 +388,7 @@ bb_status bb_trainer_unlend(bb_trainer_h trainer, uint64_t deadline_ns) {
 
 bb_status bb_trainer_grant(bb_trainer_h trainer, uint64_t task_id, uint64_t bytes,
                            uint64_t* grant_id) {
+  if (grant_id) *grant_id = 0;
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL");
   BB_GUARD(return impl(trainer)->grant(task_id, bytes, grant_id));
 }

@@ -8,10 +8,25 @@
 
 #include "core/error.h"
 #include "core/gpu_timing.h"
+#include "core/trainer.h"
+
+namespace {
+// As in bubble.cc: a trainer handle is the core object's address.
+bb::core::Trainer* trainer_impl(bb_trainer_h h) { return reinterpret_cast<bb::core::Trainer*>(h); }
+
+// The options' size in the first release. The struct has not grown since: when it does, this
+// becomes the offset of the first new field.
+constexpr size_t kFirstStreamTimingOptions = sizeof(bb_stream_timing_options_t);
+}  // namespace
 
 struct bb_stream_timing {
   bb_trainer_h trainer = nullptr;
+  bool driving = false;  // holds the trainer's claim_bubble_driver()
   std::unique_ptr<bb::core::StreamTiming> impl;
+  ~bb_stream_timing() {
+    impl.reset();  // its watcher's last bubble end comes first
+    if (driving) trainer_impl(trainer)->release_bubble_driver();
+  }
 };
 
 using bb::core::fail;
@@ -33,7 +48,7 @@ BB_API void bb_stream_timing_options_init_sized(bb_stream_timing_options_t* opts
 // a macro over the _sized form): that struct has not grown, so its size is the first's.
 #undef bb_stream_timing_options_init
 BB_API void bb_stream_timing_options_init(bb_stream_timing_options_t* opts) {
-  bb_stream_timing_options_init_sized(opts, sizeof *opts);
+  bb_stream_timing_options_init_sized(opts, kFirstStreamTimingOptions);
 }
 
 BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_timing_options_t* opts,
@@ -43,15 +58,20 @@ BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_tim
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL: open one with bb_trainer_open");
   bb_stream_timing_options_t o = BB_STREAM_TIMING_OPTIONS_INIT;
   if (opts) {
-    if (opts->size < sizeof o)
+    if (opts->size < kFirstStreamTimingOptions || opts->size % alignof(decltype(o)) != 0)
       return fail(BB_E_INVALID, "bb_stream_timing_options_t.size is %u: initialise it with "
                   "bb_stream_timing_options_init() or BB_STREAM_TIMING_OPTIONS_INIT", opts->size);
-    std::memcpy(&o, opts, sizeof o);
+    std::memcpy(&o, opts, std::min<size_t>(opts->size, sizeof o));
+    o.size = sizeof o;
   }
   std::string error;
   try {
     auto h = std::make_unique<bb_stream_timing>();
     h->trainer = trainer;
+    if (!trainer_impl(trainer)->claim_bubble_driver())
+      return fail(BB_E_BUSY, "this trainer already has a stream timing open, whose watcher "
+                  "thread is its bubble thread: close that one first (one per trainer)");
+    h->driving = true;
     bb::core::StreamTiming::Sink sink;
     // The watcher thread becomes the trainer's bubble thread: begin/end stay bounded and
     // non-blocking, and only this thread calls them while the timing is open.

@@ -44,6 +44,11 @@ class Trainer {
   void iteration();
   bb_status set_schedule(const bb_schedule_t& schedule);
 
+  // A thread of the library's that takes over as the bubble thread (bb_stream_timing_open's
+  // watcher): one at a time, or two would call begin and end at once. Any thread.
+  bool claim_bubble_driver() { return !driven_.exchange(true, std::memory_order_acq_rel); }
+  void release_bubble_driver() { driven_.store(false, std::memory_order_release); }
+
   // Any thread.
   void stats(bb_trainer_stats_t* out);
   bb_status tasks(bb_task_info_t* out, size_t cap, size_t* count);
@@ -58,8 +63,9 @@ class Trainer {
   bb_status grant(uint64_t task_id, uint64_t bytes, uint64_t* grant_id);
   bb_status revoke(uint64_t task_id, uint64_t deadline_ns);
   bb_status task_grant(uint64_t task_id, bb_grant_info_t* out);
-  // Copies a live grant's bytes out on the caller's thread, under the lender's lock: a task
-  // that leaves or dies meanwhile has its grant released after the copy, never under it.
+  // Copies a live grant's bytes out on the caller's thread, a piece at a time under the
+  // lender's lock: a task that leaves or dies meanwhile has its grant released between pieces
+  // (the copy then ends with BB_E_NOT_FOUND), never under one.
   bb_status read_grant(uint64_t grant_id, uint64_t offset, void* dst, uint64_t bytes);
   void grant_stats(bb_grant_stats_t* out);
 
@@ -138,6 +144,7 @@ class Trainer {
 
   std::unique_ptr<Slot[]> slots_;
   std::atomic<uint64_t> slots_changed_{0};
+  std::atomic<bool> driven_{false};  // claim_bubble_driver()
 
   // Bubble thread only. The scalars every bubble reads come first, on one or two cache lines
   // (a trainer computes between bubbles, so the path often starts with cold caches).

@@ -373,6 +373,23 @@ TEST_CASE("stream_timing_rejects_bad_arguments_with_a_reason") {
         BB_E_INVALID);
   CHECK(bb_stream_timing_close(nullptr) == BB_OK);
   Timing timing(hub.trainer);
+  // Its watcher is the trainer's bubble thread: a second one would call begin and end at once.
+  bb_stream_timing_h second = nullptr;
+  CHECK(bb_stream_timing_open(hub.trainer, nullptr, &second) == BB_E_BUSY);
+  CHECK(std::string(bb_last_error()).find("already has a stream timing open") !=
+        std::string::npos);
+  CHECK(second == nullptr);
+  {  // A size that ends inside a field.
+    bb_stream_timing_options_t odd;
+    bb_stream_timing_options_init(&odd);
+    odd.size = sizeof odd + 4;
+    CHECK(bb_stream_timing_open(hub.trainer, &odd, &second) == BB_E_INVALID);
+  }
   CHECK(bb_bubble_begin_on_stream(timing.h, kStream, 0, 0, bb_bubble_kind(9), nullptr) ==
         BB_E_INVALID);
+  // Closed, the trainer takes another.
+  bb_stream_timing_close(timing.h);
+  timing.h = nullptr;
+  CHECK(bb_stream_timing_open(hub.trainer, nullptr, &second) == BB_OK);
+  bb_stream_timing_close(second);
 }

@@ -698,6 +698,42 @@ TEST_CASE("option_inits_write_exactly_the_callers_size") {
   bb_task_detach(task);
 }
 
+TEST_CASE("sizes_no_version_of_a_struct_has_are_refused_never_followed") {
+  RuntimeDir dir;
+  Trainer t("sizes", 0, 2);
+  // An element size is the stride of bb_trainer_tasks' array: a huge one (a buffer from malloc
+  // whose size was never set) would send the next element's read far past the array.
+  alignas(8) unsigned char buf[2 * sizeof(bb_task_info_t)] = {};
+  for (const uint32_t bad : {0x7fff0000u, 65544u, uint32_t(sizeof(bb_task_info_t) + 4)}) {
+    std::memcpy(buf, &bad, sizeof bad);
+    std::memcpy(buf + sizeof(bb_task_info_t), &bad, sizeof bad);
+    size_t n = 99;
+    CHECK(bb_trainer_tasks(t.h, reinterpret_cast<bb_task_info_t*>(buf), 2, &n) == BB_E_INVALID);
+    CHECK(std::string(bb_last_error()).find("out[0].size is " + std::to_string(bad)) == 0);
+    CHECK(n == 0);
+  }
+  // An option struct whose size ends inside a field would be copied with half of it (half the
+  // address of a callback): refused, saying so.
+  bb_task_h task = nullptr;
+  bb_task_options_t o;
+  bb_task_options_init(&o);
+  o.size = offsetof(bb_task_options_t, wake_lead_ns) + 4;
+  CHECK(bb_task_attach("sizes", 0, "t", &o, &task) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("ends inside a field") != std::string::npos);
+  REQUIRE(bb_task_attach("sizes", 0, "t", nullptr, &task) == BB_OK);
+  bb_task_callbacks_t cbs;
+  bb_task_callbacks_init(&cbs);
+  cbs.idle = [](void*) { return int(BB_STEP_DONE); };
+  cbs.size = offsetof(bb_task_callbacks_t, idle) + 4;
+  CHECK(bb_task_run(task, &cbs) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("ends inside a field") != std::string::npos);
+  bb_task_detach(task);
+  // An out-parameter is not left as it was when the call fails.
+  uint64_t grant_id = 77;
+  CHECK(bb_trainer_grant(nullptr, 1, 0, &grant_id) == BB_E_INVALID);
+  CHECK(grant_id == 0);
+}
+
 TEST_CASE("attach_without_trainer_says_so") {
   RuntimeDir dir;
   bb_task_h task = nullptr;

@@ -277,7 +277,8 @@ typedef struct bb_task_info_t {
 /* Copies up to cap attached tasks into out (out may be NULL when cap is 0); *count receives the
  * number attached, which may exceed cap. Set size to sizeof(bb_task_info_t) in every element:
  * it is the array's stride, so a binary built against an older header gets the fields it knows.
- * BB_E_INVALID when out[0].size is under 8 or another element's differs. */
+ * BB_E_INVALID when out[0].size is under 8, over 65536 or not a multiple of 8, or another
+ * element's differs; *count is 0 then. */
 BB_API bb_status bb_trainer_tasks(bb_trainer_h trainer, bb_task_info_t *out, size_t cap,
                                   size_t *count);
 /* Tells one task (by bb_task_info_t.id) to stop; it finishes and detaches. Any thread but the
@@ -518,7 +519,7 @@ BB_API bb_status bb_trainer_lend(bb_trainer_h trainer, const bb_lend_options_t *
 BB_API bb_status bb_trainer_unlend(bb_trainer_h trainer, uint64_t deadline_ns);
 /* Grants bytes (0 = its mem_need) of the lent memory to one task (by bb_task_info_t.id), which
  * must hold no grant; also lifts the hold a revoke put on it. *grant_id (may be NULL) receives
- * the grant's id. BB_E_NOMEM when no free extent is large enough, BB_E_FULL when max_grants are
+ * the grant's id, 0 on failure. BB_E_NOMEM when no free extent is large enough, BB_E_FULL when max_grants are
  * live, BB_E_BUSY when the task holds a grant (or its connection is full: try again shortly),
  * BB_E_STATE when nothing is lent or it is being taken back, BB_E_NOT_FOUND when the task is not
  * attached, BB_E_INVALID when bytes is 0 and the task stated no mem_need. */
@@ -563,8 +564,8 @@ BB_API bb_status bb_trainer_task_grant(bb_trainer_h trainer, uint64_t task_id,
 
 /* Copies bytes of grant grant_id, from offset into it, to dst, and returns once the copy is
  * done: this is how the trainer reads what a task wrote. The task may leave or die at any moment,
- * which releases its grant, but never during this call (the release waits for the copy), so
- * unlike reading bb_grant_info_t.address directly it never touches unmapped memory. dst is host
+ * which releases its grant, but never while a piece of the copy is under way (the release waits
+ * for it), so unlike reading bb_grant_info_t.address directly it never touches unmapped memory. dst is host
  * memory for host grants; for the CUDA backends, host memory or device memory of the lender's
  * GPU (unified addressing tells them apart). The copy runs on the calling thread (CUDA: on the
  * lender's own stream, which it waits for; the caller's streams are not waited for, so dst must

@@ -50,7 +50,8 @@ BB_API void bb_stream_timing_options_init_sized(bb_stream_timing_options_t *opts
  * the watcher thread is the trainer's bubble thread: do not call bb_bubble_begin/end on this
  * trainer yourself while it is open, nor the other calls bubble.h reserves to the bubble thread:
  * mark iterations with bb_trainer_iteration_on_stream, and call bb_trainer_set_schedule before
- * opening. opts may be NULL. Close it before bb_trainer_close. */
+ * opening. One per trainer: a second open gives BB_E_BUSY until the first is closed. opts may be
+ * NULL. Close it before bb_trainer_close. */
 BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_timing_options_t *opts,
                                        bb_stream_timing_h *out);
 /* Stops the watcher (ending a bubble it opened; marks the GPU has not reached are dropped) and
