@@ -141,6 +141,13 @@ bool init_alive_mutex(pthread_mutex_t* m) {
 }
 
 constexpr uint64_t kHelloTimeoutNs = 2'000'000'000ull;
+
+// A time plus a length that a caller may make as long as it likes (UINT64_MAX: "no end"): it
+// stays at the end of time rather than wrap into the past.
+inline uint64_t add_sat(uint64_t a, uint64_t b) {
+  uint64_t r;
+  return __builtin_add_overflow(a, b, &r) ? UINT64_MAX : r;
+}
 // Wakes a task that may sleep on its page's wake word, after its doorbell was bumped. The bump
 // of the word (release) is what the task's futex wait compares, and carries the doorbell's
 // change to a task that reads it (shm/layout.h, TaskPage::wake). Only the task and the trainer
@@ -435,19 +442,25 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
     return fail(BB_E_INVALID, "bubble kind %d is not a bb_bubble_kind", int(kind));
   refresh_slots();
   const uint64_t now = now_ns();
+  const bool closed_open = open_;  // a begin that also ends the last bubble
   if (open_) end_locked(now);
   // The gap before this bubble. The first bubble ever has none; its position still counts,
   // or every later gap of the first iteration would land one position early. With measured
   // times the gap is what scales the model, so this bubble's prediction should include the
   // compute just done: then it goes in first; otherwise after the tasks are started.
+  // A begin that ended the last bubble itself follows it with no gap at all: with measured
+  // times that 0 would be taken for compute that took no time (every model unit 0 ns, every
+  // prediction 1 ns, no task started), so then the position only counts.
   const bool gap_first = gap_predictor_.measures_scale();
   auto observe_gap = [&] {
-    if (last_end_ns_ != 0) gap_predictor_.observe(BB_BUBBLE_OTHER, now - last_end_ns_);
-    else gap_predictor_.skip();
+    if (last_end_ns_ != 0 && !(closed_open && gap_first))
+      gap_predictor_.observe(BB_BUBBLE_OTHER, now - last_end_ns_);
+    else
+      gap_predictor_.skip();
   };
   if (gap_first) observe_gap();
   if (expected_ns == 0) expected_ns = predictor_.predict(kind);
-  const uint64_t deadline = expected_ns ? now + expected_ns : 0;
+  const uint64_t deadline = expected_ns ? add_sat(now, expected_ns) : 0;
   shm::BubbleState* b = bubble_;
   const uint64_t seq = seq_ + 1;
 
@@ -519,7 +532,8 @@ bb_status Trainer::begin(uint64_t expected_ns, uint64_t free_mem, bb_bubble_kind
   b->deadline_ns.store(deadline, std::memory_order_relaxed);
   b->free_mem.store(free_mem, std::memory_order_relaxed);
   b->open.store(1, std::memory_order_relaxed);
-  b->next_begin_ns.store(deadline && gap ? deadline + gap : 0, std::memory_order_relaxed);
+  b->next_begin_ns.store(deadline && gap ? add_sat(deadline, gap) : 0,
+                         std::memory_order_relaxed);
   b->version.store(v + 2, std::memory_order_release);
   if (started)
     starts_.store(starts_.load(std::memory_order_relaxed) + started, std::memory_order_relaxed);
@@ -544,7 +558,7 @@ void Trainer::end_locked(uint64_t now) {
   // starts now: the next gap is the new iteration's first.
   if (iteration_pending_) gap_predictor_.begin_iteration();
   const uint64_t gap = gap_predictor_.predict(BB_BUBBLE_OTHER);
-  b->next_begin_ns.store(gap ? now + gap : 0, std::memory_order_relaxed);
+  b->next_begin_ns.store(gap ? add_sat(now, gap) : 0, std::memory_order_relaxed);
   uint64_t wakes = 0, pauses = 0;
   for (uint32_t k = 0; k < n_running_; ++k) {
     const uint32_t i = running_[k];
@@ -609,6 +623,9 @@ bb_status Trainer::set_schedule(const bb_schedule_t& sc) {
   if (measure && (sc.wgrad_ns != 0 || sc.comm_ns != 0))
     return fail(BB_E_INVALID, "wgrad_ns and comm_ns need fwd_ns and bwd_ns: with those unknown "
                 "(0), leave them 0 too and the library measures all times");
+  if (sc.kind != BB_SCHEDULE_INTERLEAVED && sc.chunks > 1)
+    return fail(BB_E_INVALID, "chunks is %u, but only an interleaved schedule has model chunks: "
+                "set kind to BB_SCHEDULE_INTERLEAVED, or chunks to 1", sc.chunks);
   ScheduleParams p;
   p.kind = ScheduleKind(sc.kind);
   p.stages = sc.stages;
@@ -660,7 +677,7 @@ void Trainer::iteration() {
   // data) is another one.
   if (last_end_ns_ != 0) {
     const uint64_t gap = gap_predictor_.predict(BB_BUBBLE_OTHER);
-    bubble_->next_begin_ns.store(gap ? last_end_ns_ + gap : 0, std::memory_order_relaxed);
+    bubble_->next_begin_ns.store(gap ? add_sat(last_end_ns_, gap) : 0, std::memory_order_relaxed);
   }
 }
 

@@ -306,10 +306,22 @@ TEST_CASE("schedule_with_measured_times_names_what_is_wrong") {
   CHECK(bb_trainer_set_schedule(t, &sc) == BB_OK);
   sc.size = offsetof(bb_schedule_t, comm_ns);
   CHECK(bb_trainer_set_schedule(t, &sc) == BB_E_INVALID);
-  // More receives than the predictor's 128 positions: accepted, the rest falls back.
+  // Model chunks belong to the interleaved schedule only: elsewhere they are a mistake to name,
+  // not a number to drop.
   bb_schedule_init(&sc);
   sc.stages = 4;
-  sc.microbatches = 100;
+  sc.microbatches = 8;
+  sc.stage = 1;
+  sc.chunks = 4;
+  CHECK(bb_trainer_set_schedule(t, &sc) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("chunks is 4") != std::string::npos);
+  sc.kind = BB_SCHEDULE_INTERLEAVED;
+  CHECK(bb_trainer_set_schedule(t, &sc) == BB_OK);
+  // More receives than the predictor's 1024 positions (two per micro-batch on a middle
+  // stage): accepted, the rest falls back.
+  bb_schedule_init(&sc);
+  sc.stages = 4;
+  sc.microbatches = 600;
   sc.stage = 1;
   sc.bubbles = BB_SCHEDULE_BUBBLES_RECEIVES;
   CHECK(bb_trainer_set_schedule(t, &sc) == BB_OK);
@@ -320,4 +332,64 @@ TEST_CASE("schedule_with_measured_times_names_what_is_wrong") {
   sc.bubbles = BB_SCHEDULE_BUBBLES_IDLE;
   CHECK(bb_trainer_set_schedule(t, &sc) == BB_OK);
   bb_trainer_close(t);
+}
+
+namespace {
+
+// A task in this process, started and handed its start info at every bubble it is given.
+struct InProcessTask {
+  bb_task_h h = nullptr;
+  explicit InProcessTask(const char* job) {
+    REQUIRE(bb_task_attach(job, 0, "t", nullptr, &h) == BB_OK);
+  }
+  ~InProcessTask() { bb_task_detach(h); }
+  // The start of the bubble just begun; acked at once, so that the next bubble may start it.
+  bb_start_info_t start() {
+    bb_start_info_t info{sizeof info};
+    REQUIRE(bb_task_wait_start(h, 5'000'000'000, &info) == BB_OK);
+    REQUIRE(bb_task_ack_pause(h) == BB_OK);
+    return info;
+  }
+};
+
+}  // namespace
+
+TEST_CASE("a_bubble_without_end_is_a_deadline_at_the_end_of_time") {
+  // UINT64_MAX is a natural "as long as it takes": the deadline is the end of time, not a sum
+  // that wraps into the past and tells the task its bubble ended before it began.
+  bbtest::RuntimeDir dir;
+  bbtest::TrainerFixture t("forever");
+  InProcessTask task("forever");
+  REQUIRE(bb_bubble_begin(t.h, UINT64_MAX, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+  const bb_start_info_t info = task.start();
+  CHECK(info.deadline_ns == UINT64_MAX);
+  REQUIRE(bb_bubble_end(t.h) == BB_OK);
+}
+
+TEST_CASE("begins_that_end_the_last_bubble_leave_measured_times_unknown_not_zero") {
+  // A trainer that lets each begin end the last bubble has no gap between bubbles. With a
+  // schedule declared without times, the gaps are the compute that scales the model: a gap of
+  // 0 made every model unit 0 ns and every prediction 1 ns, a deadline no step fits.
+  bbtest::RuntimeDir dir;
+  bbtest::TrainerFixture t("noend");
+  bb_schedule_t sc;
+  bb_schedule_init(&sc);
+  sc.stages = 4;
+  sc.microbatches = 8;
+  sc.stage = 3;  // a warm-up and a cool-down per iteration
+  REQUIRE(bb_trainer_set_schedule(t.h, &sc) == BB_OK);
+  InProcessTask task("noend");
+  for (int it = 0; it < 2; ++it) {
+    bb_trainer_iteration(t.h);
+    for (int b = 0; b < 2; ++b) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));  // the stage computes
+      REQUIRE(bb_bubble_begin(t.h, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY) == BB_OK);
+      const bb_start_info_t info = task.start();
+      CAPTURE(it);
+      CAPTURE(b);
+      // Unknown (0), or a length observed: never the 1 ns of a scale of 0.
+      CHECK((info.deadline_ns == 0 || info.deadline_ns - info.begin_ns > 1000));
+    }
+  }
+  REQUIRE(bb_bubble_end(t.h) == BB_OK);
 }
