@@ -1,8 +1,11 @@
 // libnccl-profiler-bubble.so: NCCL's profiler plugin interface (v3, v4, v5), reporting each
 // rank's receive waits as bubbles to that rank's hub. Load it with
 //   NCCL_PROFILER_PLUGIN=/path/to/libnccl-profiler-bubble.so   (or =bubble, found on the path)
-// NCCL picks the newest version it knows. Every entry point returns ncclSuccess except an init
-// that cannot open the hub: NCCL then runs on without the plugin, as its interface promises.
+// NCCL picks the newest version it knows. Every entry point returns ncclSuccess, an init that
+// cannot open the hub too: it asks for no events (mask 0) and gives no context, so the plugin
+// stays inert for that communicator. (An init error is no way out: NCCL 2.26 and 2.27 then
+// drop the plugin and, when their last communicator goes, log its name through the pointer
+// they just cleared.)
 #include <unistd.h>
 
 #include <atomic>
@@ -49,7 +52,25 @@ void log(ncclDebugLogger_t logfn, ncclDebugLogLevel level, const std::string& ms
   }
 }
 
-ncclResult_t init_locked(void** context, int* mask, int comm_rank, ncclDebugLogger_t logfn) {
+// The event mask is NCCL's, for the whole process since v4 (NCCL's threads read it atomically):
+// written under g_mu only, and 0 only while no communicator of ours reports, so another
+// communicator's failed init never drops the events of one that works.
+void set_mask(int* mask, int value) {
+  if (mask) __atomic_store_n(mask, value, __ATOMIC_RELAXED);
+}
+
+// Says why the plugin reports nothing, once per reason: NCCL 2.28 calls init again for every
+// communicator, and Megatron makes dozens.
+void say_disabled(ncclDebugLogger_t logfn, const std::string& why) {
+  static std::string last;
+  if (why == last) return;
+  last = why;
+  // NCCL prints its own lines only with NCCL_DEBUG set; the user must learn why no bubbles.
+  std::fprintf(stderr, "libnccl-profiler-bubble: disabled: %s\n", why.c_str());
+  log(logfn, NCCL_LOG_WARN, "disabled: " + why);
+}
+
+void init_locked(void** context, int* mask, int comm_rank, ncclDebugLogger_t logfn) {
   // Allocated first: nothing to undo if it fails.
   auto ctx = std::make_unique<Context>(Context{comm_rank});
   static RecvWaits* const waits = new RecvWaits(nullptr);  // for good: see above
@@ -59,10 +80,9 @@ ncclResult_t init_locked(void** context, int* mask, int comm_rank, ncclDebugLogg
     RankHub* hub = nullptr;
     if (!hub_config_from_env(comm_rank, &cfg, &error) ||
         RankHub::open(cfg, &hub, &error, &warning) != BB_OK) {
-      // NCCL prints its own line only with NCCL_DEBUG set; the user must learn why no bubbles.
-      std::fprintf(stderr, "libnccl-profiler-bubble: disabled: %s\n", error.c_str());
-      log(logfn, NCCL_LOG_WARN, "disabled: " + error);
-      return ncclInternalError;
+      set_mask(mask, 0);
+      say_disabled(logfn, error);
+      return;
     }
     // Closed again if anything below throws before the hub is published.
     std::unique_ptr<RankHub> owned(hub);
@@ -82,21 +102,21 @@ ncclResult_t init_locked(void** context, int* mask, int comm_rank, ncclDebugLogg
   }
   ++g_refs;
   *context = ctx.release();
-  *mask = kMask;
-  return ncclSuccess;
+  set_mask(mask, kMask);
 }
 
 ncclResult_t init_common(void** context, int* mask, int comm_rank, ncclDebugLogger_t logfn) {
   *context = nullptr;
-  *mask = 0;
-  // Nothing may be thrown into NCCL: an allocation that fails disables the plugin instead.
+  std::lock_guard<std::mutex> lock(g_mu);
+  // Nothing may be thrown into NCCL: an allocation that fails leaves this communicator without
+  // the plugin instead.
   try {
-    std::lock_guard<std::mutex> lock(g_mu);
-    return init_locked(context, mask, comm_rank, logfn);
+    init_locked(context, mask, comm_rank, logfn);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "libnccl-profiler-bubble: disabled: %s\n", e.what());
-    return ncclInternalError;
+    if (g_refs == 0) set_mask(mask, 0);
+    say_disabled(logfn, e.what());
   }
+  return ncclSuccess;
 }
 
 ncclResult_t finalize(void* context) {
@@ -131,6 +151,7 @@ void* start(const Descr* d, int nchannels) {
   RecvWaits* w = g_waits.load(std::memory_order_acquire);
   if (!w || !d) return nullptr;
   switch (d->type) {
+    case ncclProfileGroup: return RecvWaits::group_handle();
     case ncclProfileP2p: return w->p2p_start(is_recv(d->p2p.func), nchannels);
     case ncclProfileKernelCh: return w->kernel_channel_start(d->parentObj, d->kernelCh.channelId);
     case ncclProfileProxyOp:

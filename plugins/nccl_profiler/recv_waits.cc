@@ -9,8 +9,12 @@ namespace {
 // A handle: mark (8 bits) | kind (2) | unused (6) | record (8) | channel (8) | generation (32).
 constexpr uint64_t kMark = 0xbbull << 56;
 constexpr uint64_t kMarkMask = 0xffull << 56;
+// Another mark: resolve() rejects it for every kind.
+constexpr uint64_t kGroupHandle = 0xbcull << 56;
 
 }  // namespace
+
+void* RecvWaits::group_handle() { return reinterpret_cast<void*>(uintptr_t(kGroupHandle)); }
 
 void* RecvWaits::handle(Kind kind, const P2p* r, int channel) const {
   const uint64_t index = uint64_t(r - pool_.data());

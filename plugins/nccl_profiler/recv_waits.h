@@ -54,6 +54,10 @@ class RecvWaits {
   RecvWaits(const RecvWaits&) = delete;
   RecvWaits& operator=(const RecvWaits&) = delete;
 
+  // The handle of a group event: not null, because NCCL before 2.28 starts a group's task (P2p)
+  // events only under a group handle that is not null, but naming nothing, so its stop (and any
+  // child that names it as parent) is ignored.
+  static void* group_handle();
   // Each returns the handle to give NCCL, or nullptr for an event that cannot affect a wait.
   // nchannels: the channels the receive runs on (0 = not told, as in v3).
   void* p2p_start(bool is_recv, int nchannels);
