@@ -415,7 +415,7 @@ class trainer {
     return id;
   }
   // Asks the task's grant back; a task that has not acked within grace (default 1 s) is
-  // killed. Returns at once: task_grant() and grant_stats() show the progress.
+  // killed. Returns at once: task_grant() and grants() show the progress.
   void revoke(uint64_t task_id, std::optional<std::chrono::nanoseconds> grace = std::nullopt) {
     const uint64_t deadline = grace ? bb_now_ns() + detail::to_ns(*grace) : 0;
     detail::check(bb_trainer_revoke(h_.get(), task_id, deadline));
@@ -432,9 +432,10 @@ class trainer {
   }
   // Copies bytes of grant grant_id, from offset into it, to dst: the safe way to read what a
   // task wrote. The task may leave or die at any moment, which releases the grant, but never
-  // during the copy (the release waits for it). dst is host memory, or for the CUDA backends
-  // device memory of the lender's GPU. Throws E_NOT_FOUND once the grant is no longer live,
-  // E_INVALID when the range is not inside the grant's bytes.
+  // while a piece of the copy (4 MiB) is under way (the release waits for it). dst is host
+  // memory, or for the CUDA backends device memory of the lender's GPU. Throws E_NOT_FOUND once
+  // the grant is no longer live, also when it was released between two pieces (dst then holds
+  // a part), E_INVALID when the range is not inside the grant's bytes.
   void read_grant(uint64_t grant_id, uint64_t offset, void* dst, uint64_t bytes) const {
     detail::check(bb_trainer_read_grant(h_.get(), grant_id, offset, dst, bytes));
   }

@@ -385,6 +385,10 @@ impl<T: SideTask> Bridge<'_, T> {
         };
         if bridge.failure.is_none() {
             bridge.failure = Some(failure);
+        } else {
+            // Dropped here, a later failure would run the user's Drop (of a panic payload, or
+            // of the error type) inside this extern "C" frame, where a panic cannot unwind.
+            std::mem::forget(failure);
         }
         -1
     }

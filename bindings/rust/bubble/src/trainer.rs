@@ -419,9 +419,10 @@ impl Trainer {
 
     /// Copies `dst.len()` bytes of grant `grant_id`, from `offset` into it, to `dst`: the safe
     /// way to read what a task wrote. The task may leave or die at any moment, which releases
-    /// the grant, but never during the copy (the release waits for it). `Status::NotFound` once
-    /// the grant is no longer live, `Status::Invalid` when the range is not inside the grant's
-    /// bytes. For the CUDA backends the copy lands in host memory; see `read_grant_raw` for
+    /// the grant, but never while a piece of the copy (4 MiB) is under way (the release waits
+    /// for it). `Status::NotFound` once the grant is no longer live, also when it was released
+    /// between two pieces (`dst` then holds a part), `Status::Invalid` when the range is not
+    /// inside the grant's bytes. For the CUDA backends the copy lands in host memory; see `read_grant_raw` for
     /// device memory. The hub's grants and releases wait for the copy: copy what you need.
     pub fn read_grant(&self, grant_id: u64, offset: u64, dst: &mut [u8]) -> Result<()> {
         // SAFETY: dst is valid for dst.len() bytes of writes.
