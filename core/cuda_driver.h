@@ -36,6 +36,7 @@ struct CudaDriver {
   X(DevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease, "cuDevicePrimaryCtxRelease_v2") \
   X(CtxGetCurrent, cuCtxGetCurrent, "cuCtxGetCurrent")                   \
   X(CtxSetCurrent, cuCtxSetCurrent, "cuCtxSetCurrent")                   \
+  X(CtxGetDevice, cuCtxGetDevice, "cuCtxGetDevice")                      \
   X(MemAlloc, cuMemAlloc, "cuMemAlloc_v2")                               \
   X(MemFree, cuMemFree, "cuMemFree_v2")                                  \
   X(MemGetAddressRange, cuMemGetAddressRange, "cuMemGetAddressRange_v2") \

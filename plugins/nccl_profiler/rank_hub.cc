@@ -6,8 +6,26 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/cuda_driver.h"
+
 namespace bb::nccl {
 namespace {
+
+// The device of the CUDA context current on the calling thread, if there is one. NCCL calls the
+// plugin's init on the thread that made the communicator's device current, so this is the
+// device the rank uses, numbered as this process numbers its GPUs (a LOCAL_RANK counts GPUs of
+// the node, which is another number where each rank sees only its own).
+bool current_cuda_device(int32_t* device) {
+  std::string error;
+  const core::CudaDriver* drv = core::cuda_driver(&error);
+  if (!drv) return false;
+  CUcontext ctx = nullptr;
+  CUdevice dev = -1;
+  if (drv->CtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) return false;
+  if (drv->CtxGetDevice(&dev) != CUDA_SUCCESS || dev < 0) return false;
+  *device = int32_t(dev);
+  return true;
+}
 
 const char* env(const char* name) {
   const char* v = std::getenv(name);
@@ -95,13 +113,18 @@ bool hub_config_from_env(int comm_rank, HubConfig* out, std::string* error) {
     uint32_t dev = 0;
     const char* dv = env("BUBBLE_NCCL_DEVICE");
     const char* var = "BUBBLE_NCCL_DEVICE";
-    if (!dv) dv = env("LOCAL_RANK"), var = "LOCAL_RANK";
-    if (dv && !parse_u32(dv, 1023, &dev)) {
-      *error = std::string(var) + "='" + dv + "' is not a CUDA device ordinal: set "
-               "BUBBLE_NCCL_DEVICE to the device this rank uses";
-      return false;
+    int32_t current = -1;
+    if (!dv && c.lend_backend != BB_GRANT_HOST && current_cuda_device(&current)) {
+      c.device = current;
+    } else {
+      if (!dv) dv = env("LOCAL_RANK"), var = "LOCAL_RANK";
+      if (dv && !parse_u32(dv, 1023, &dev)) {
+        *error = std::string(var) + "='" + dv + "' is not a CUDA device ordinal: set "
+                 "BUBBLE_NCCL_DEVICE to the device this rank uses";
+        return false;
+      }
+      c.device = int32_t(dev);
     }
-    c.device = int32_t(dev);
   }
   *out = c;
   return true;

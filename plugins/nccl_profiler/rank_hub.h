@@ -9,7 +9,8 @@
 //   BUBBLE_RANK         hub rank; else RANK (torchrun), OMPI_COMM_WORLD_RANK, SLURM_PROCID,
 //                       PMI_RANK, else the rank in the first communicator NCCL initialises
 //   BUBBLE_NCCL_LEND    lend memory to side tasks: "<host|cuda-ipc|cuda-vmm>:<bytes>[K|M|G]"
-//   BUBBLE_NCCL_DEVICE  CUDA device ordinal of the lent memory; else LOCAL_RANK, else 0
+//   BUBBLE_NCCL_DEVICE  CUDA device ordinal of the lent memory; else the device current on the
+//                       thread NCCL calls init on (the communicator's), else LOCAL_RANK, else 0
 //   BUBBLE_NCCL_MAX_RUNNING  tasks started per bubble (default 1)
 //   BUBBLE_RUNTIME_DIR  where hub sockets live (as for every libbubble hub)
 #pragma once

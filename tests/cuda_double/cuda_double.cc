@@ -630,6 +630,15 @@ CUresult CUDAAPI cuCtxGetCurrent(CUcontext* ctx) {
   return c.ret(CUDA_SUCCESS);
 }
 
+CUresult CUDAAPI cuCtxGetDevice(CUdevice* dev) {
+  Call c("cuCtxGetDevice");
+  if (!dev) return c.violation(CUDA_ERROR_INVALID_VALUE, "null pointer");
+  if (!current_ctx) return c.ret(CUDA_ERROR_INVALID_CONTEXT);
+  *dev = current_ctx->device;
+  c.arg("dev", *dev);
+  return c.ret(CUDA_SUCCESS);
+}
+
 CUresult CUDAAPI cuCtxSetCurrent(CUcontext ctx) {
   Call c("cuCtxSetCurrent");
   c.arg("dev", ctx ? ctx->device : -1);
@@ -1319,7 +1328,7 @@ CUresult CUDAAPI cuGetProcAddress(const char* symbol, void** pfn, int version, c
       BBD_ENTRY_(cuDeviceGetAttribute), BBD_ENTRY_(cuDeviceGetUuid),
       BBD_ENTRY_(cuPointerGetAttribute), BBD_ENTRY_(cuDevicePrimaryCtxRetain),
       BBD_ENTRY_(cuDevicePrimaryCtxRelease), BBD_ENTRY_(cuCtxGetCurrent),
-      BBD_ENTRY_(cuCtxSetCurrent), BBD_ENTRY_(cuMemAlloc), BBD_ENTRY_(cuMemFree),
+      BBD_ENTRY_(cuCtxSetCurrent), BBD_ENTRY_(cuCtxGetDevice), BBD_ENTRY_(cuMemAlloc), BBD_ENTRY_(cuMemFree),
       BBD_ENTRY_(cuMemGetAddressRange), BBD_ENTRY_(cuIpcGetMemHandle),
       BBD_ENTRY_(cuIpcOpenMemHandle), BBD_ENTRY_(cuIpcCloseMemHandle),
       BBD_ENTRY_(cuMemGetAllocationGranularity), BBD_ENTRY_(cuMemCreate),

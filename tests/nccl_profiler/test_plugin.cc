@@ -4,6 +4,7 @@
 // thread reports its kernel-channel and proxy events. The plugin opens a real hub; a real side
 // task process and a hub observer check the bubbles it reports.
 #include <bubble/bubble.h>
+#include <cuda.h>
 #include <dlfcn.h>
 #include <doctest/doctest.h>
 #include <unistd.h>
@@ -545,4 +546,50 @@ TEST_CASE("plugin_lends_memory_that_a_task_receives_as_a_grant") {
   }
   CHECK(granted.rfind("GRANT ", 0) == 0);
   pl.finalize(ctx);
+}
+
+TEST_CASE("plugin_lends_on_the_device_nccl_made_current_not_local_ranks") {
+  // LOCAL_RANK counts the node's GPUs, but a rank numbers only those it sees, in its own order
+  // (one each, with a CUDA_VISIBLE_DEVICES per rank). NCCL calls init on the thread where it made
+  // the communicator's device current: the lend goes there. Here the device is 0, LOCAL_RANK 1,
+  // and two GPUs are visible, so LOCAL_RANK would have named another rank's GPU.
+  RuntimeDir rt;
+  const std::string job = unique_job("nccl-dev");
+  ScopedEnv e0("BUBBLE_CUDA_DRIVER", BUBBLE_CUDA_DOUBLE_PATH), e1("BUBBLE_CUDA_DOUBLE_DEVICES", "2"),
+      e2("CUDA_VISIBLE_DEVICES", nullptr), e3("BUBBLE_JOB", job.c_str()), e4("BUBBLE_RANK", "0"),
+      e5("LOCAL_RANK", "1"), e6("BUBBLE_NCCL_DEVICE", nullptr),
+      e7("BUBBLE_NCCL_LEND", "cuda-vmm:4M");
+  void* cuda = dlopen(BUBBLE_CUDA_DOUBLE_PATH, RTLD_NOW);
+  REQUIRE(cuda);
+  auto sym = [&](const char* name) {
+    void* f = dlsym(cuda, name);
+    REQUIRE(f);
+    return f;
+  };
+  reinterpret_cast<void (*)()>(sym("bbdouble_reset"))();
+  auto retain = reinterpret_cast<CUresult (*)(CUcontext*, CUdevice)>(sym("cuDevicePrimaryCtxRetain"));
+  auto release = reinterpret_cast<CUresult (*)(CUdevice)>(sym("cuDevicePrimaryCtxRelease_v2"));
+  auto set_current = reinterpret_cast<CUresult (*)(CUcontext)>(sym("cuCtxSetCurrent"));
+  auto log = reinterpret_cast<size_t (*)(char*, size_t)>(sym("bbdouble_log"));
+  REQUIRE(reinterpret_cast<CUresult (*)(unsigned)>(sym("cuInit"))(0) == CUDA_SUCCESS);
+  CUcontext ctx = nullptr;
+  REQUIRE(retain(&ctx, 0) == CUDA_SUCCESS);  // as cudaSetDevice(0) does
+  REQUIRE(set_current(ctx) == CUDA_SUCCESS);
+  {
+    Plugin pl;
+    int mask = 0;
+    void* c = pl.init_v5(0, &mask);
+    REQUIRE(c);
+    std::string calls(1 << 20, '\0');
+    calls.resize(log(calls.data(), calls.size()));
+    INFO(calls);
+    CHECK(calls.find("cuMemAddressReserve") != std::string::npos);  // it lent GPU memory
+    // ... and nothing of it named the second GPU.
+    CHECK(calls.find("dev=1") == std::string::npos);
+    CHECK(calls.find("ordinal=1") == std::string::npos);
+    pl.finalize(c);
+  }
+  set_current(nullptr);
+  release(0);
+  dlclose(cuda);
 }
