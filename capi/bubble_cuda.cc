@@ -6,13 +6,14 @@
 #include <memory>
 #include <new>
 
+#include "capi/abi.h"
 #include "core/error.h"
 #include "core/gpu_timing.h"
 #include "core/trainer.h"
 
+using bb::capi::impl;
+
 namespace {
-// As in bubble.cc: a trainer handle is the core object's address.
-bb::core::Trainer* trainer_impl(bb_trainer_h h) { return reinterpret_cast<bb::core::Trainer*>(h); }
 
 // The options' size in the first release. The struct has not grown since: when it does, this
 // becomes the offset of the first new field.
@@ -25,7 +26,7 @@ struct bb_stream_timing {
   std::unique_ptr<bb::core::StreamTiming> impl;
   ~bb_stream_timing() {
     impl.reset();  // its watcher's last bubble end comes first
-    if (driving) trainer_impl(trainer)->release_bubble_driver();
+    if (driving) bb::capi::impl(trainer)->release_bubble_driver();
   }
 };
 
@@ -35,13 +36,7 @@ using bb::core::fail_msg;
 extern "C" {
 
 BB_API void bb_stream_timing_options_init_sized(bb_stream_timing_options_t* opts, size_t size) {
-  // As bubble.h's *_init_sized: exactly `size` bytes, the defaults then zeros.
-  if (!opts || size < 8 || size > 65536) return;
-  const bb_stream_timing_options_t d = BB_STREAM_TIMING_OPTIONS_INIT;
-  const size_t known = std::min(size, sizeof d);
-  std::memcpy(opts, &d, known);
-  if (size > known) std::memset(reinterpret_cast<char*>(opts) + known, 0, size - known);
-  opts->size = uint32_t(size);
+  bb::capi::init_sized(opts, size, bb_stream_timing_options_t BB_STREAM_TIMING_OPTIONS_INIT);
 }
 
 // The initialiser programs built against the first header call (the header now makes the name
@@ -56,19 +51,16 @@ BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_tim
   if (!out) return fail(BB_E_INVALID, "out is NULL: pass the address of a bb_stream_timing_h");
   *out = nullptr;
   if (!trainer) return fail(BB_E_INVALID, "trainer is NULL: open one with bb_trainer_open");
-  bb_stream_timing_options_t o = BB_STREAM_TIMING_OPTIONS_INIT;
-  if (opts) {
-    if (opts->size < kFirstStreamTimingOptions || opts->size % alignof(decltype(o)) != 0)
-      return fail(BB_E_INVALID, "bb_stream_timing_options_t.size is %u: initialise it with "
-                  "bb_stream_timing_options_init() or BB_STREAM_TIMING_OPTIONS_INIT", opts->size);
-    std::memcpy(&o, opts, std::min<size_t>(opts->size, sizeof o));
-    o.size = sizeof o;
-  }
+  bb_stream_timing_options_t o;
+  const bb_status read = bb::capi::read_options(
+      opts, bb_stream_timing_options_t BB_STREAM_TIMING_OPTIONS_INIT, kFirstStreamTimingOptions,
+      "bb_stream_timing_options_t", &o);
+  if (read != BB_OK) return read;
   std::string error;
   try {
     auto h = std::make_unique<bb_stream_timing>();
     h->trainer = trainer;
-    if (!trainer_impl(trainer)->claim_bubble_driver())
+    if (!impl(trainer)->claim_bubble_driver())
       return fail(BB_E_BUSY, "this trainer already has a stream timing open, whose watcher "
                   "thread is its bubble thread: close that one first (one per trainer)");
     h->driving = true;

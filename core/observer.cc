@@ -325,7 +325,7 @@ HubSnapshot HubObserver::snapshot() const {
     if (shm::SlotState(c->state.load(std::memory_order_acquire)) != shm::SlotState::kActive)
       continue;
     TaskSnapshot t;
-    const uint32_t gen = c->generation.load(std::memory_order_relaxed);
+    const uint32_t gen = c->generation.load(std::memory_order_acquire);
     t.slot = i;
     t.id = uint64_t(i) | uint64_t(gen) << 32;
     t.pid = c->pid;

@@ -717,7 +717,7 @@ bb_status Trainer::tasks(bb_task_info_t* out, size_t cap, size_t* count) {
       std::memset(&t, 0, sizeof t);
       t.size = size;
       t.slot = i;
-      const uint32_t gen = c->generation.load(std::memory_order_relaxed);
+      const uint32_t gen = c->generation.load(std::memory_order_acquire);
       t.id = uint64_t(i) | uint64_t(gen) << 32;
       t.pid = c->pid;
       t.priority = c->priority;
@@ -1129,7 +1129,6 @@ void Trainer::attach_task(Conn& c, const void* raw) {
 
   SlotCtl* ctl = slot_ctl(i);
   const uint32_t gen = ctl->generation.load(std::memory_order_relaxed) + 1;
-  ctl->generation.store(gen, std::memory_order_relaxed);
   ctl->signal_generation.store(gen, std::memory_order_relaxed);
   ctl->run_epoch.store(0, std::memory_order_relaxed);
   ctl->stop.store(0, std::memory_order_relaxed);
@@ -1149,6 +1148,9 @@ void Trainer::attach_task(Conn& c, const void* raw) {
   ctl->mem_need = m.mem_need;
   ctl->min_step_ns = m.min_step_ns;
   std::memcpy(ctl->name, m.name, sizeof ctl->name);
+  // After the identity: a reader that copied it and then finds this generation unchanged
+  // (shm::slot_still) copied the identity of the attach it names, not half of the next one's.
+  ctl->generation.store(gen, std::memory_order_release);
 
   s.page = reinterpret_cast<const TaskPage*>(s.page_map.data());
   s.cand = Candidate{true, m.priority, m.mem_need, m.min_step_ns};

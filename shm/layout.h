@@ -193,9 +193,11 @@ struct alignas(kCacheLine) SlotCtl {
 static_assert(offsetof(SlotCtl, stop) == kCacheLine, "the signal line is one cache line");
 
 // After copying an active slot's identity (pid, name, priority: plain words its next task's
-// attach rewrites), whether the slot still serves the attach `generation` read before the copy:
-// if not, the copy may mix two tasks. The fence keeps the copy's loads before the checks, as a
-// seqlock's reader does; a new attach's kActive (acquire) shows its new generation.
+// attach rewrites), whether the slot still serves the attach `generation` read (acquire) before
+// the copy: if not, the copy may mix two tasks. An attach writes the identity, then the
+// generation, then kActive, so a copy that saw any of the next task's identity finds the slot
+// not active, or another generation. The fence keeps the copy's loads before the checks, as a
+// seqlock's reader does.
 inline bool slot_still(const SlotCtl* c, uint32_t generation) {
   std::atomic_thread_fence(std::memory_order_acquire);
   return c->state.load(std::memory_order_acquire) == uint32_t(SlotState::kActive) &&

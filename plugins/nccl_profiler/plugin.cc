@@ -61,13 +61,17 @@ void set_mask(int* mask, int value) {
 
 // Says why the plugin reports nothing, once per reason: NCCL 2.28 calls init again for every
 // communicator, and Megatron makes dozens.
-void say_disabled(ncclDebugLogger_t logfn, const std::string& why) {
-  static std::string last;
-  if (why == last) return;
-  last = why;
+void say_disabled(ncclDebugLogger_t logfn, const char* why) noexcept {
   // NCCL prints its own lines only with NCCL_DEBUG set; the user must learn why no bubbles.
-  std::fprintf(stderr, "libnccl-profiler-bubble: disabled: %s\n", why.c_str());
-  log(logfn, NCCL_LOG_WARN, "disabled: " + why);
+  try {
+    static std::string last;
+    if (why == last) return;
+    last = why;
+    std::fprintf(stderr, "libnccl-profiler-bubble: disabled: %s\n", why);
+    log(logfn, NCCL_LOG_WARN, std::string("disabled: ") + why);
+  } catch (...) {  // out of memory as it is: say it without a string
+    std::fprintf(stderr, "libnccl-profiler-bubble: disabled: %s\n", why);
+  }
 }
 
 void init_locked(void** context, int* mask, int comm_rank, ncclDebugLogger_t logfn) {
@@ -81,7 +85,7 @@ void init_locked(void** context, int* mask, int comm_rank, ncclDebugLogger_t log
     if (!hub_config_from_env(comm_rank, &cfg, &error) ||
         RankHub::open(cfg, &hub, &error, &warning) != BB_OK) {
       set_mask(mask, 0);
-      say_disabled(logfn, error);
+      say_disabled(logfn, error.c_str());
       return;
     }
     // Closed again if anything below throws before the hub is published.

@@ -14,9 +14,10 @@ unchanged:
 Only code that calls them as torch.distributed.recv/irecv/batch_isend_irecv is covered; a name
 imported with `from torch.distributed import recv` before install() keeps the unwrapped function.
 A batch (batch_isend_irecv) with at least one receive is one receive of the schedule: with a
-schedule published, the first wait() on any of its Works is its bubble (torch may return one
-Work per op, or one for the whole batch); without one, every wait() on its Works that has to
-wait is a bubble, as for irecv. A batch of sends only is passed through.
+schedule published, the first wait() on one of its receives' Works is its bubble (or on the
+batch's one Work, where torch returns one for the whole batch); without one, every such wait()
+that has to wait is a bubble, as for irecv. Sends' Works, and a batch of sends only, are passed
+through.
 
 Given the schedule (schedule=PipelineSchedule(stages, stage, micro_batches)), P2PBubbles
 publishes it to the predictor, one bubble per receive with the times measured by the library,
@@ -163,11 +164,15 @@ class P2PBubbles:
 
         def batch_isend_irecv(p2p_op_list):
             works = orig_batch(p2p_op_list)
-            if (self._saved is None or not works or
-                    not any(_unwrap(getattr(op, "op", None)) is torch_irecv for op in p2p_op_list)):
+            receives = [_unwrap(getattr(op, "op", None)) is torch_irecv for op in p2p_op_list]
+            if self._saved is None or not works or not any(receives):
                 return works
             batch = _Batch()
-            return [w if w is None else _BatchWork(w, self, batch) for w in works]
+            # One Work per op: only the receives' waits are the batch's (a send's wait, first in
+            # Megatron's order, is no bubble); one Work for the whole batch: that one.
+            per_op = len(works) == len(receives)
+            return [w if w is None or (per_op and not receives[i]) else _BatchWork(w, self, batch)
+                    for i, w in enumerate(works)]
 
         class P2POp(saved["P2POp"]):
             """torch's P2POp, given torch's own irecv for this wrapper of it: torch checks that

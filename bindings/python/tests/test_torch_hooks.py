@@ -115,8 +115,9 @@ _SENDER = textwrap.dedent("""
                             timeout=datetime.timedelta(seconds=60))
     dist.send(torch.tensor([1.0, 2.0]), dst=1)       # batch 1: a receive alone
     buf = torch.zeros(2)
-    dist.recv(buf, src=1)                            # batch 2: a send and a receive
+    dist.recv(buf, src=1)                            # batch 2: a send and two receives
     dist.send(buf * 2, dst=1)
+    dist.send(buf * 3, dst=1)
     dist.recv(buf, src=1)                            # batch 3: a send alone
     ok = buf.tolist() == [5.0, 6.0]
     dist.destroy_process_group()
@@ -126,8 +127,8 @@ _SENDER = textwrap.dedent("""
 
 def test_a_batched_receive_is_one_bubble_of_the_published_schedule(job, tmp_path):
     """Real batch_isend_irecv over gloo, with a stage of another process: a batch with a
-    receive is one bubble of the published schedule, whichever of its Works are waited on and
-    however many torch returns (one per op here), and a batch of sends only is none. The data
+    receive is one bubble of the published schedule, at its receive's wait (torch returns one
+    Work per op here; the send's wait is none), and a batch of sends only is none. The data
     come through the wrapped Works unchanged, and uninstall puts torch's function back."""
     store = f"file://{tmp_path}/store"
     sender = subprocess.Popen([sys.executable, "-c", _SENDER, store])
@@ -147,15 +148,18 @@ def test_a_batched_receive_is_one_bubble_of_the_published_schedule(job, tmp_path
                 assert got.tolist() == [1.0, 2.0]
                 assert hooks.bubbles == 1
 
-                back = torch.zeros(2)
+                back, back2 = torch.zeros(2), torch.zeros(2)
                 works = dist.batch_isend_irecv([
                     dist.P2POp(dist.isend, torch.tensor([3.0, 4.0]), 0),
-                    dist.P2POp(dist.irecv, back, 0)])
-                assert len(works) == 2
-                for w in reversed(works):  # the receive's first, then the send's
-                    w.wait()
-                assert back.tolist() == [6.0, 8.0]
+                    dist.P2POp(dist.irecv, back, 0), dist.P2POp(dist.irecv, back2, 0)])
+                assert len(works) == 3
+                works[0].wait()  # the send's, first as Megatron waits: no bubble
+                assert hooks.bubbles == 1
+                works[1].wait()  # the first receive's: the batch's bubble
                 assert hooks.bubbles == 2
+                works[2].wait()  # the second receive's: the batch had its one
+                assert hooks.bubbles == 2
+                assert (back.tolist(), back2.tolist()) == ([6.0, 8.0], [9.0, 12.0])
 
                 sends = [dist.P2POp(dist.isend, torch.tensor([5.0, 6.0]), 0)]
                 works = dist.batch_isend_irecv(sends)
