@@ -221,6 +221,7 @@ bb_status CudaPrimaryContext::retain(const CudaDriver& drv, int device, std::str
     return cuda_status(rc);
   }
   drv_ = &drv;
+  ordinal_ = device;
   return BB_OK;
 }
 

@@ -184,10 +184,13 @@ class CudaPrimaryContext {
   void reset();
   CUcontext get() const { return ctx_; }
   CUdevice device() const { return dev_; }
+  // This process's ordinal of the GPU (what cudaSetDevice takes), -1 while none is retained.
+  int ordinal() const { return ctx_ ? ordinal_ : -1; }
 
  private:
   const CudaDriver* drv_ = nullptr;
   CUdevice dev_ = 0;
+  int ordinal_ = -1;
   CUcontext ctx_ = nullptr;
 };
 

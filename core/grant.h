@@ -126,6 +126,9 @@ class GrantMapping {
   void* ptr() const { return ptr_; }
   uint64_t size() const { return size_; }
   uint64_t grant_id() const { return id_; }
+  // CUDA backends: this process's ordinal of the GPU the grant is mapped on (the trainer's GPU,
+  // found by UUID: a process may number its GPUs otherwise); -1 for host memory.
+  int device() const { return device_; }
   // Unmaps now, reporting a failure (the destructor cannot). Idempotent.
   virtual bb_status unmap(std::string* error) = 0;
 
@@ -133,6 +136,7 @@ class GrantMapping {
   void* ptr_ = nullptr;
   uint64_t size_ = 0;
   uint64_t id_ = 0;
+  int device_ = -1;
 };
 
 // Maps grant g. fd is the descriptor received with it (host, cuda-vmm; ignored for cuda-ipc);

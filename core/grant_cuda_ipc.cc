@@ -194,6 +194,7 @@ class IpcMapping final : public GrantMapping {
     ptr_ = reinterpret_cast<void*>(base_ + g.handle.map_offset);
     size_ = g.size;
     id_ = g.id;
+    device_ = ctx_.ordinal();
     return BB_OK;
   }
 

@@ -290,6 +290,7 @@ class VmmMapping final : public GrantMapping {
     ptr_ = reinterpret_cast<void*>(base_);
     size_ = g.size;
     id_ = g.id;
+    device_ = ctx_.ordinal();
     return BB_OK;
   }
 

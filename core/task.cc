@@ -922,6 +922,7 @@ bb_status Task::grant(bb_task_grant_t* out) {
   out->id = grant_id_;
   out->ptr = mapping_->ptr();
   out->bytes = mapping_->size();
+  out->device = mapping_->device();
   out->revoke_deadline_ns = 0;
   GrantWords w;
   if (read_grant(ctl_, &w) && w.revoke_id == grant_id_) out->revoke_deadline_ns = w.revoke_deadline_ns;

@@ -97,6 +97,11 @@ type TaskGrant struct {
 	// RevokeDeadlineNs is nonzero while the trainer asks the grant back: stop using it and call
 	// AckRevoke (or AckPause) before then. Set by Task.Grant only.
 	RevokeDeadlineNs uint64
+	// Device is, for the CUDA backends, this process's ordinal of the GPU the grant is mapped on
+	// (the trainer's GPU found by UUID, so it differs from the trainer's ordinal where
+	// CUDA_VISIBLE_DEVICES does): device work on Ptr belongs there. -1 for host memory, and
+	// when not known (a grant of a start or step whose mapping the task could not look up).
+	Device int
 	// The task that maps it: a grant kept keeps its task attached (the Task's finalizer would
 	// detach it and unmap the memory).
 	owner *Task
@@ -284,7 +289,8 @@ func taskGrant(h C.bb_task_h, owner *Task) (*TaskGrant, error) {
 		return nil, err
 	}
 	return &TaskGrant{ID: uint64(g.id), Backend: GrantBackend(g.backend), Ptr: g.ptr,
-		Bytes: uint64(g.bytes), RevokeDeadlineNs: uint64(g.revoke_deadline_ns), owner: owner}, nil
+		Bytes: uint64(g.bytes), RevokeDeadlineNs: uint64(g.revoke_deadline_ns),
+		Device: int(g.device), owner: owner}, nil
 }
 
 // AckRevoke, if the trainer is revoking this task's grant, unmaps it and acks; otherwise it
@@ -299,14 +305,15 @@ func (t *Task) AckRevoke() error {
 	return err
 }
 
-// grantOf describes the grant a start or step names. The infos do not carry its backend; a
+// grantOf describes the grant a start or step names. The infos carry neither its backend nor its
+// device; a
 // bb_task_grant on the task's own thread right after the start, or between the runtime's steps,
 // reports that same mapping (it maps, never unmaps). known caches the last answer.
 func grantOf(h C.bb_task_h, owner *Task, id C.uint64_t, ptr unsafe.Pointer, bytes C.uint64_t, known **TaskGrant) *TaskGrant {
 	if id == 0 || ptr == nil {
 		return nil
 	}
-	g := &TaskGrant{ID: uint64(id), Ptr: ptr, Bytes: uint64(bytes), owner: owner}
+	g := &TaskGrant{ID: uint64(id), Ptr: ptr, Bytes: uint64(bytes), Device: -1, owner: owner}
 	if *known == nil || (*known).ID != g.ID || (*known).Ptr != ptr {
 		// Cached without its owner: the Task holds the cache, and a Task that reaches itself
 		// would never be finalized.
@@ -316,6 +323,7 @@ func grantOf(h C.bb_task_h, owner *Task, id C.uint64_t, ptr unsafe.Pointer, byte
 	}
 	if *known != nil && (*known).ID == g.ID && (*known).Ptr == ptr {
 		g.Backend = (*known).Backend
+		g.Device = (*known).Device
 	}
 	return g
 }

@@ -103,6 +103,9 @@ func TestHostGrantWrittenByTaskIsReadByTrainerThenRevokedAndAcked(t *testing.T) 
 			if err != nil || g == nil || g.ID != start.Grant.ID || g.Ptr != start.Grant.Ptr || g.Revoking() {
 				return fmt.Errorf("Grant() = %+v, %v; the start named %+v", g, err, start.Grant)
 			}
+			if g.Device != -1 || start.Grant.Device != -1 {
+				return fmt.Errorf("a host grant names GPU %d (its start: %d)", g.Device, start.Grant.Device)
+			}
 			writePattern(g.Memory(), 7)
 			written.Store(g.ID)
 			within(quit, task.ShouldPause)

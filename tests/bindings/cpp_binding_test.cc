@@ -503,6 +503,7 @@ TEST_CASE("host grant: the task writes it, the trainer reads it back, revoke is 
     auto g = k.grant();
     if (!g || g->id != start->grant_id || g->ptr != start->grant_ptr) return "grant() disagrees";
     if (g->backend != bubble::grant_backend::host || g->revoking()) return "unexpected grant";
+    if (g->device != -1) return "a host grant names a GPU";
     write_pattern(g->host_data<uint32_t>(), g->bytes, 7);
     written = g->id;
     while (!k.should_pause() && !quit) std::this_thread::sleep_for(1ms);

@@ -96,6 +96,14 @@ int run_task(int sock) {
     if (fd >= 0) close(fd);
     uint64_t nonzero = 0;
     if (st == BB_OK) {
+      // The grant says which of this process's GPUs it is on; the work goes there.
+      const cudaError_t sd = held->device() < 0 ? cudaErrorInvalidDevice : cudaSetDevice(held->device());
+      if (sd != cudaSuccess) {
+        if (!reply(sock, BB_E_SYSTEM, "the CUDA grant names device " +
+                                          std::to_string(held->device()) + ": " + cudaGetErrorString(sd)))
+          return 4;
+        continue;
+      }
       std::vector<uint32_t> seen(held->size() / 4);
       const cudaError_t rc =
           cudaMemcpy(seen.data(), held->ptr(), seen.size() * 4, cudaMemcpyDeviceToHost);

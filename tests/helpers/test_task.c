@@ -35,6 +35,8 @@
  *   --wake predictive|sleep|spin (how it waits for a start),
  *   --grant-seed N: fill each new grant with the pattern word(i) = N ^ (i * 2654435761), and
  *   print "GRANT <id> <bytes>" once it is written (iterative, imperative and the grant modes)
+ *   --grant-device (iterative, imperative; with --grant-seed): "GRANT" lines end with
+ *   " device=<n>", the device bb_task_grant reports for the grant (-2 if it reports none)
  *   --die-at POINT [--die-after N] (imperative): SIGKILL itself the N-th time (default 1) it
  *   reaches POINT, after printing "DYING <point>": never, attached, started, step (inside a
  *   step), grant (holding a written grant), pause-seen (between seeing a pause and acking it),
@@ -88,8 +90,16 @@ static void say_waiting(void) {
 
 /* Fills a grant the first time it is seen. With the fake CUDA driver of the tests, "device"
  * pointers are host memory, so the same loop serves every backend. */
+static int grant_device = 0;  /* --grant-device */
+static bb_task_h the_task = NULL;
 static void announce_grant(uint64_t id, uint64_t bytes) {
-  printf("GRANT %llu %llu\n", (unsigned long long)id, (unsigned long long)bytes);
+  printf("GRANT %llu %llu", (unsigned long long)id, (unsigned long long)bytes);
+  if (grant_device) {
+    bb_task_grant_t g = {sizeof g};
+    const int ok = the_task && bb_task_grant(the_task, &g) == BB_OK && g.id == id;
+    printf(" device=%d", ok ? (int)g.device : -2);
+  }
+  printf("\n");
   fflush(stdout);
 }
 
@@ -209,6 +219,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--no-reports")) no_reports = 1;
     else if (!strcmp(a, "--wait")) opts.on_trainer_exit = BB_ON_TRAINER_EXIT_WAIT;
     else if (!strcmp(a, "--reattach-ms")) opts.reattach_timeout_ns = strtoull(v, NULL, 10) * 1000000, ++i;
+    else if (!strcmp(a, "--grant-device")) grant_device = 1;
     else if (!strcmp(a, "--grant-seed")) grant_seed = (uint32_t)strtoul(v, NULL, 10), grant_seed_set = 1, ++i;
     else if (!strcmp(a, "--die-at")) die_at = v, ++i;
     else if (!strcmp(a, "--attach-uid")) attach_uid = atol(v), ++i;
@@ -239,8 +250,9 @@ int main(int argc, char **argv) {
     perror("--attach-uid: setresuid");
     return 64;
   }
-  bb_task_h task;
+  bb_task_h task = NULL;
   bb_status st = bb_task_attach(job, rank, name, &opts, &task);
+  the_task = task;
   if (attach_uid >= 0 && setresuid(0, 0, 0) != 0) {
     perror("--attach-uid: back to root");
     return 64;

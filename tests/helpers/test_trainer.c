@@ -1,7 +1,8 @@
 /* A trainer process for the multi-process and fault-injection tests (public C ABI only).
  *
  *   bb_test_trainer JOB RANK [--bubble-us N] [--gap-us N] [--max-slots N] [--free-mem N]
- *                   [--lend host|cuda-ipc|cuda-vmm:BYTES] [--await-tasks N] [--commands]
+ *                   [--lend host|cuda-ipc|cuda-vmm:BYTES] [--lend-device N] [--await-tasks N]
+ *                   [--commands]
  *                   [--uid N]
  *
  * Opens the hub, prints "OPEN <pid>", lends memory if asked ("LENT", or "LEND_FAILED <status>
@@ -147,13 +148,15 @@ static void gap(uint64_t us) {
 int main(int argc, char **argv) {
   if (argc < 3) {
     fprintf(stderr, "usage: %s JOB RANK [--bubble-us N] [--gap-us N] [--max-slots N] "
-                    "[--free-mem N] [--lend BACKEND[:BYTES]] [--await-tasks N] [--commands] "
+                    "[--free-mem N] [--lend BACKEND[:BYTES]] [--lend-device N] [--await-tasks N] "
+                    "[--commands] "
                     "[--uid N] [--nofile N] [--no-robust-list]\n",
             argv[0]);
     return 64;
   }
   uint64_t bubble_us = 2000, gap_us = 1000, free_mem = BB_MEM_UNKNOWN;
   const char *lend = NULL;
+  int lend_device = 0;
   uint32_t await_tasks = 0;
   long uid = -1, nofile = -1;
   bb_trainer_options_t opts;
@@ -166,6 +169,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--max-slots")) opts.max_slots = (uint32_t)atoi(v), ++i;
     else if (!strcmp(a, "--free-mem")) free_mem = strtoull(v, NULL, 10), ++i;
     else if (!strcmp(a, "--lend")) lend = v, ++i;
+    else if (!strcmp(a, "--lend-device")) lend_device = atoi(v), ++i;
     else if (!strcmp(a, "--await-tasks")) await_tasks = (uint32_t)atoi(v), ++i;
     else if (!strcmp(a, "--uid")) uid = atol(v), ++i;
     else if (!strcmp(a, "--nofile")) nofile = atol(v), ++i;
@@ -206,6 +210,7 @@ int main(int argc, char **argv) {
                  : !strncmp(lend, "cuda-vmm", len) && len == 8 ? BB_GRANT_CUDA_VMM
                                                                : BB_GRANT_HOST;
     lo.bytes = colon ? strtoull(colon + 1, NULL, 10) : 1u << 20;
+    lo.device = lend_device;
     st = bb_trainer_lend(trainer, &lo);
     if (st != BB_OK) {
       printf("LEND_FAILED %s %s\n", bb_status_name(st), bb_last_error());

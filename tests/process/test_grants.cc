@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -894,6 +895,45 @@ TEST_CASE("cuda_grants_of_a_caller_built_before_clear_grants_are_cleared") {
 TEST_CASE("cuda_grants_lent_with_clear_grants_0_skip_the_memset") {
   cuda_end_to_end(BB_GRANT_CUDA_VMM, "gz", 0);
   cuda_end_to_end(BB_GRANT_CUDA_IPC, "gy", 0);
+}
+
+TEST_CASE("a_task_is_told_its_own_ordinal_of_the_gpu_its_grant_is_on") {
+  // The trainer lends memory of its GPU 1 of two. A task that numbers the GPUs otherwise
+  // (CUDA_VISIBLE_DEVICES, as the agent sets it) must run its device work on its own ordinal
+  // of that GPU, which only the mapping knows (it finds the GPU by UUID).
+  RuntimeDir dir;
+  ScopedEnv env("BUBBLE_CUDA_DRIVER", double_path());
+  ScopedEnv two("BUBBLE_CUDA_DOUBLE_DEVICES", "2");
+  struct Case {
+    const char* backend;
+    const char* visible;  // the task's CUDA_VISIBLE_DEVICES, nullptr: unset
+    int device;           // what bb_task_grant says
+  };
+  const Case cases[] = {{"cuda-ipc", nullptr, 1}, {"cuda-ipc", "1,0", 0}, {"cuda-vmm", "1", 0},
+                        {"cuda-vmm", "0,1", 1}, {"host", nullptr, -1}};
+  for (const Case& c : cases) {
+    CAPTURE(c.backend);
+    CAPTURE(c.visible ? c.visible : "(unset)");
+    Child trainer({trainer_bin(), "gd", "0", "--lend", std::string(c.backend) + ":4194304",
+                   "--lend-device", std::string(c.backend) == "host" ? "0" : "1",
+                   "--await-tasks", "1"});
+    REQUIRE(trainer.wait_line("LENT") != "");
+    std::string line;
+    {
+      std::optional<ScopedEnv> visible;
+      if (c.visible) visible.emplace("CUDA_VISIBLE_DEVICES", c.visible);
+      Child task(task_args("gd", "dev", "iterative",
+                           {"--mem", std::to_string(kMiB), "--grant-seed", "5", "--grant-device"}));
+      line = task.wait_line("GRANT");
+      trainer.signal(SIGTERM);
+      CHECK(trainer.wait_line("CLOSED") == "CLOSED BB_OK");
+      CHECK(task.wait_exit() == 0);
+    }
+    INFO(line);
+    REQUIRE(line != "");
+    CHECK(arg_of(line + " ", "device") == std::to_string(c.device));
+    CHECK(trainer.wait_exit() == 0);
+  }
 }
 
 TEST_CASE("a_cuda_grant_copied_out_as_its_task_is_killed_is_never_read_once_released") {

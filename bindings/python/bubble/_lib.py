@@ -101,7 +101,8 @@ class GrantStatsC(Structure):
 
 class TaskGrantC(Structure):
     _fields_ = [("size", c_uint32), ("backend", c_uint32), ("id", c_uint64),
-                ("ptr", c_void_p), ("bytes", c_uint64), ("revoke_deadline_ns", c_uint64)]
+                ("ptr", c_void_p), ("bytes", c_uint64), ("revoke_deadline_ns", c_uint64),
+                ("device", c_int32), ("reserved", c_uint32)]
 
 
 INIT_FN = CFUNCTYPE(c_int, c_void_p)

@@ -5,12 +5,15 @@ binding as soon as the mapping may go (the task's next wait_start, ack_pause, ac
 or detach, or the end of the step, or of the SideTask method, it was taken in), so touching it
 afterwards raises ValueError
 instead of faulting; slices and arrays made from it are not tracked and must be dropped by then.
+A trainer's views of its lent memory (GrantInfo.memory) go the same way when it unlends or
+closes, which unmaps the whole lent range.
 """
 from __future__ import annotations
 
 import contextlib
 import ctypes
 import enum
+import weakref
 from dataclasses import dataclass, fields
 
 from . import _lib
@@ -58,13 +61,20 @@ class GrantInfo:
     def memory(self) -> memoryview:
         """The trainer's view of a host grant. Its contents are the task's while the grant is
         active or revoking; once released (the task may leave at any moment) the range reads
-        zeros, and a later grant there is another task's. Never use it after unlend() or
-        close(): the whole lent range is unmapped then. Trainer.read_grant() copies the bytes
-        out instead, and refuses once the grant is released."""
+        zeros, and a later grant there is another task's. Trainer.unlend() and close() unmap
+        the whole lent range: they release the views taken here, so touching one afterwards
+        raises ValueError (slices and arrays made from a view are not tracked: drop them
+        first). Trainer.read_grant() copies the bytes out instead, and refuses once the grant
+        is released."""
         if self.backend != GrantBackend.HOST:
             raise TypeError(f"grant {self.id} is device memory ({self.backend!r}): copy it "
                             "out with Trainer.read_grant(), or pass its address to device code")
-        return _host_view(self.address, self.bytes)
+        # The trainer's views of the lent range, released when it unlends or closes (set by
+        # Trainer.task_grant, not a field: asdict, copies and pickles leave it out).
+        views = self.__dict__.get("_views")
+        if views is None:  # made by hand, not by a trainer
+            return _host_view(self.address, self.bytes)
+        return views.view(self.address, self.bytes)
 
 
 @dataclass(frozen=True)
@@ -90,16 +100,22 @@ class GrantStats:
 
 
 class TaskGrant:
-    """The grant a task maps: id, backend, the task's pointer (an int) and size, and for host
-    grants a memoryview of it (`memory`), valid until the mapping may go."""
+    """The grant a task maps: id, backend, the task's pointer (an int) and size, the GPU it is
+    mapped on (`device`), and for host grants a memoryview of it (`memory`), valid until the
+    mapping may go."""
 
     def __init__(self, grant_id: int, backend: GrantBackend | int | None, ptr: int, size: int,
-                 revoke_deadline_ns: int | None, scope: ViewScope) -> None:
+                 revoke_deadline_ns: int | None, scope: ViewScope,
+                 device: int | None = None) -> None:
         self.id = grant_id
         self.backend = backend  # None when the runtime did not say
         self.ptr = ptr
         self.bytes = size
         self.revoke_deadline_ns = revoke_deadline_ns
+        # CUDA backends: this process's ordinal of the GPU the grant is mapped on (the trainer's
+        # GPU found by UUID; it differs from the trainer's ordinal where CUDA_VISIBLE_DEVICES
+        # does), e.g. torch.device("cuda", device). -1 for host; None when the runtime did not say.
+        self.device = device
         self._scope = scope
         self._memory: memoryview | None = None
 
@@ -120,31 +136,60 @@ class TaskGrant:
 
     def __repr__(self) -> str:
         return (f"TaskGrant(id={self.id}, backend={self.backend!r}, ptr={self.ptr:#x}, "
-                f"bytes={self.bytes}, revoke_deadline_ns={self.revoke_deadline_ns})")
+                f"bytes={self.bytes}, device={self.device}, "
+                f"revoke_deadline_ns={self.revoke_deadline_ns})")
 
 
 class ViewScope:
     """The views of grant mappings handed out until a call that may unmap them; close() then
-    releases them all and refuses new ones."""
+    releases them all and refuses new ones. Safe across threads: a view made while another
+    thread closes the scope is released before it is handed out."""
 
-    def __init__(self) -> None:
-        self._views: list[memoryview] = []
-        self._closed = False
+    TASK_GONE = ("this grant mapping may be gone (the task called wait_start, ack_pause, "
+                 "ack_revoke, grant or detach since, or the step or SideTask method it was taken "
+                 "in returned): take the grant again")
+    LENT_GONE = ("the lent memory this view was of may be gone (the trainer unlent, or began "
+                 "to unlend, or closed since): take the grant again with Trainer.task_grant()")
+
+    def __init__(self, gone: str = TASK_GONE, closed: bool = False) -> None:
+        # Weak: a view its user dropped needs no release, and a long-lived scope (a trainer's,
+        # for the whole of a lend) must not keep every view ever made.
+        self._views: list[weakref.ref[memoryview]] = []
+        self._closed = closed
+        self._gone = gone
 
     def view(self, address: int, size: int) -> memoryview:
         if self._closed:
-            raise ValueError("this grant mapping may be gone (the task called wait_start, "
-                             "ack_pause, ack_revoke, grant or detach since, or the step or "
-                             "SideTask method it was taken in returned): take the grant again")
+            raise ValueError(self._gone)
         mv = _host_view(address, size)
-        self._views.append(mv)
+        if len(self._views) >= 64:
+            self._views = [r for r in self._views if r() is not None]
+        self._views.append(weakref.ref(mv))
+        # Checked again after the append: a close() on another thread between the first check
+        # and the append would not have seen this view.
+        if self._closed:
+            mv.release()
+            raise ValueError(self._gone)
         return mv
 
     def close(self) -> None:
         self._closed = True
         while self._views:
-            with contextlib.suppress(BufferError):  # exported to an array: that one is the user's
-                self._views.pop().release()
+            mv = self._views.pop()()
+            if mv is not None:
+                with contextlib.suppress(BufferError):  # exported to an array: the user's
+                    mv.release()
+
+    # A GrantInfo copied or pickled keeps no views: a copy shares the scope, and a pickle
+    # comes back with a closed one (an address means nothing in another process).
+    def __copy__(self) -> "ViewScope":
+        return self
+
+    def __deepcopy__(self, memo: dict) -> "ViewScope":
+        return self
+
+    def __reduce__(self):
+        return (ViewScope, (self._gone, True))
 
 
 def lend_options(size: int, backend: GrantBackend, device_ptr: int | None, device: int,
@@ -164,12 +209,15 @@ def lend_options(size: int, backend: GrantBackend, device_ptr: int | None, devic
     return opts
 
 
-def grant_info(c: _lib.GrantInfoC) -> GrantInfo | None:
+def grant_info(c: _lib.GrantInfoC, views: ViewScope | None = None) -> GrantInfo | None:
     if c.state == GrantState.NONE:
         return None
-    return GrantInfo(id=c.id, task_id=c.task_id, state=GrantState(c.state),
+    info = GrantInfo(id=c.id, task_id=c.task_id, state=GrantState(c.state),
                      backend=_backend(c.backend), mapped=bool(c.mapped), bytes=c.bytes,
                      offset=c.offset, address=c.address, deadline_ns=c.deadline_ns or None)
+    if views is not None:
+        object.__setattr__(info, "_views", views)  # frozen: set as the dataclass's own init does
+    return info
 
 
 def grant_stats(c: _lib.GrantStatsC) -> GrantStats:
@@ -185,7 +233,7 @@ def task_grant(handle: ctypes.c_void_p, scope: ViewScope) -> TaskGrant | None:
         return None
     check(status)
     return TaskGrant(out.id, _backend(out.backend), out.ptr or 0, out.bytes,
-                     out.revoke_deadline_ns or None, scope)
+                     out.revoke_deadline_ns or None, scope, out.device)
 
 
 class GrantLookup:
@@ -194,7 +242,7 @@ class GrantLookup:
     steps, reports that same mapping (it maps, never unmaps). The last answer is kept."""
 
     def __init__(self) -> None:
-        self._known: tuple[int, int, GrantBackend | int] | None = None
+        self._known: tuple[int, int, GrantBackend | int, int] | None = None
 
     def __call__(self, handle: ctypes.c_void_p, grant_id: int, ptr: int | None, size: int,
                  scope: ViewScope) -> TaskGrant | None:
@@ -204,6 +252,7 @@ class GrantLookup:
             with contextlib.suppress(Exception):
                 g = task_grant(handle, ViewScope())
                 if g is not None and (g.id, g.ptr) == (grant_id, ptr):
-                    self._known = (g.id, g.ptr, g.backend)
-        backend = self._known[2] if self._known and self._known[:2] == (grant_id, ptr) else None
-        return TaskGrant(grant_id, backend, ptr, size, None, scope)
+                    self._known = (g.id, g.ptr, g.backend, g.device)
+        known = self._known if self._known and self._known[:2] == (grant_id, ptr) else None
+        return TaskGrant(grant_id, known[2] if known else None, ptr, size, None, scope,
+                         known[3] if known else None)

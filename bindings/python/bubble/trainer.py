@@ -5,6 +5,7 @@ import contextlib
 import ctypes
 import enum
 import os
+import threading
 from dataclasses import dataclass, fields
 from typing import Iterator
 
@@ -12,7 +13,8 @@ from . import _lib
 from ._handle import SharedHandle
 from ._lib import lib
 from .errors import c_string, check
-from .grant import GrantBackend, GrantInfo, GrantStats, grant_info, grant_stats, lend_options
+from .grant import (GrantBackend, GrantInfo, GrantStats, ViewScope, grant_info, grant_stats,
+                    lend_options)
 
 
 class BubbleKind(enum.IntEnum):
@@ -88,6 +90,11 @@ class Trainer:
                  runtime_dir: str | os.PathLike[str] | None = None,
                  allow_uid: int | None = None) -> None:
         self._handle: SharedHandle | None = None
+        # Views of the lent memory (GrantInfo.memory), released before it is unmapped: closed
+        # for the whole of an unlend, and for good once the trainer closes.
+        self._lent_views = ViewScope(ViewScope.LENT_GONE)
+        self._views_lock = threading.Lock()
+        self._views_final = False
         opts = _lib.TrainerOptions()
         lib.bb_trainer_options_init_sized(ctypes.byref(opts), ctypes.sizeof(opts))
         if max_slots is not None:
@@ -127,6 +134,7 @@ class Trainer:
         SIGTERM's, that interrupted bubble_begin), it cannot wait for that call: it returns at
         once, and the hub is removed when the interrupted call returns (raising from there if
         the removal fails)."""
+        self._renew_views(final=True)  # the lent memory goes with the hub
         if self._handle is not None:
             self._handle.close(_close_hub)
 
@@ -236,9 +244,27 @@ class Trainer:
         (another size or backend). A holder that has not given its grant back within `timeout`
         seconds (None: 1 s) is killed. Blocks until then, at most `timeout` + 2 s, so call it
         where the trainer can wait. Raises InvalidState when nothing is lent, and Timeout when a
-        holder the kill cannot reach keeps the memory lent."""
+        holder the kill cannot reach keeps the memory lent. The views GrantInfo.memory() gave
+        are released first (touching one raises ValueError): the memory under them goes."""
         deadline = 0 if timeout is None else lib.bb_now_ns() + _ns(timeout)
-        self._call(lib.bb_trainer_unlend, deadline)
+        # Closed during the call too: a grant another thread looks up meanwhile is still in the
+        # range being unmapped.
+        self._renew_views(usable=False)
+        try:
+            self._call(lib.bb_trainer_unlend, deadline)
+        finally:
+            self._renew_views(usable=True)
+
+    def _renew_views(self, usable: bool = False, final: bool = False) -> None:
+        """Releases the views of the lent memory handed out so far and puts a new scope in
+        place: usable, or closed (during an unlend, and for good once the trainer closes)."""
+        fresh = ViewScope(ViewScope.LENT_GONE)
+        with self._views_lock:
+            self._views_final = self._views_final or final
+            if not usable or self._views_final:
+                fresh.close()
+            old, self._lent_views = self._lent_views, fresh
+        old.close()
 
     def grant(self, task: int | TaskInfo, size: int | None = None) -> int:
         """Grants `size` bytes (None: the task's mem_need) to a task holding no grant; returns
@@ -259,8 +285,11 @@ class Trainer:
         """The task's grant, None when it holds none. Raises HubNotFound (a LookupError) when
         no such task is attached."""
         out = _lib.GrantInfoC(size=ctypes.sizeof(_lib.GrantInfoC))
+        # The scope of before the call: an unlend that begins meanwhile closes it, and one that
+        # ended before gave back every grant this call could name in its range.
+        views = self._lent_views
         self._call(lib.bb_trainer_task_grant, _task_id(task), ctypes.byref(out))
-        return grant_info(out)
+        return grant_info(out, views)
 
     def read_grant(self, grant: int | GrantInfo, size: int | None = None, offset: int = 0,
                    into=None) -> bytes | None:

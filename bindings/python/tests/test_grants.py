@@ -3,7 +3,10 @@ of this process) writes a pattern into its grant and the trainer reads it back a
 address of the grant; then revoke and ack."""
 from __future__ import annotations
 
+import copy
 import ctypes
+import dataclasses
+import pickle
 import struct
 import threading
 
@@ -39,6 +42,7 @@ def test_host_grant_written_by_task_is_read_by_trainer_then_revoked_and_acked(jo
             assert g is not None and g.bytes == GRANT and g.backend is bubble.GrantBackend.HOST
             again = task.grant()  # the same mapping, and it says whether it is being revoked
             assert (again.id, again.ptr, again.revoking) == (g.id, g.ptr, False)
+            assert (g.device, again.device) == (-1, -1), "a host grant names a GPU"
             again.memory[:] = pattern(7, GRANT)
             written.append(again.id)
             eventually(lambda: task.should_pause() or quit_.is_set())
@@ -200,8 +204,17 @@ def test_unlend_takes_the_grant_back_and_lend_may_lend_again(job):
         first = side.written
         # Its steps ran inside bubbles: its own figure says so (from its reports, a moment later).
         assert eventually(lambda: trainer.tasks()[0].ns_in_bubbles > 0)
+        held = trainer.task_grant(task)
+        view = held.memory()
+        assert view.tobytes() == pattern(5, GRANT)
         # The runtime gives the grant back between bubbles; unlend returns once it has.
         trainer.unlend(timeout=30)
+        # The lent range is unmapped: the trainer's view of it was released first, so touching
+        # it raises instead of faulting, and so does asking the old info for a new one.
+        with pytest.raises(ValueError, match="released"):
+            view[0]
+        with pytest.raises(ValueError, match="unlent"):
+            held.memory()
         s = trainer.grant_stats()
         assert s.backend is None and s.capacity == 0
         assert s.revokes_acked == 1 and s.tasks_killed == 0
@@ -212,8 +225,62 @@ def test_unlend_takes_the_grant_back_and_lend_may_lend_again(job):
         assert bubble_until(trainer, lambda: side.written not in (0, first))
         assert trainer.grant_stats().capacity == 2 * LENT
         assert trainer.task_grant(task).id == side.written
+        kept = trainer.task_grant(task).memory()
+        assert kept.tobytes() == pattern(5, GRANT)
         trainer.stop_task(task)
         assert runner.join_result() is bubble.Outcome.STOPPED
+    # Closing unmaps the lent range too, and releases the view first.
+    with pytest.raises(ValueError, match="released"):
+        kept[0]
+
+
+def test_a_grant_looked_up_while_unlend_waits_gives_no_view_of_the_range_going(job):
+    revoking, go = threading.Event(), threading.Event()
+
+    def task_side() -> str:
+        with bubble.Task(job, 0, "slow-ack", mem_need=GRANT) as task:
+            assert eventually(lambda: task.grant() is not None)
+            # Holds the grant until the trainer, blocked in unlend, has looked it up.
+            assert eventually(lambda: (g := task.grant()) is not None and g.revoking)
+            revoking.set()
+            assert go.wait(20)
+            task.ack_revoke()
+            return "acked"
+
+    with bubble.Trainer(job, 0) as trainer:
+        trainer.lend(LENT)
+        runner = Background(task_side)
+        task = only_task(trainer)
+        assert eventually(lambda: trainer.task_grant(task) is not None)
+        before = trainer.task_grant(task)
+        view = before.memory()
+        unlender = Background(lambda: trainer.unlend(timeout=30))
+        try:
+            assert revoking.wait(20)
+            # Taken back, not yet given: looked up now, the grant is still in the range the
+            # unlend is about to unmap, so it has no view to give, and the one from before
+            # was released.
+            during = trainer.task_grant(task)
+            assert during is not None and during.state is bubble.GrantState.REVOKING
+            with pytest.raises(ValueError, match="unlend"):
+                during.memory()
+            with pytest.raises(ValueError, match="released"):
+                view[0]
+            # Copies and pickles carry the data, not the views.
+            assert dataclasses.asdict(during)["id"] == during.id
+            assert copy.deepcopy(during) == during
+            revived = pickle.loads(pickle.dumps(during))
+            assert revived == during
+            with pytest.raises(ValueError):
+                revived.memory()
+        finally:
+            go.set()
+        unlender.join_result()
+        assert runner.join_result() == "acked"
+        # Unmapped now: the lookups from before and during still give no view.
+        for g in (before, during):
+            with pytest.raises(ValueError, match="unlend"):
+                g.memory()
 
 
 def test_a_device_grant_has_no_host_view():

@@ -619,6 +619,11 @@ typedef struct bb_task_grant_t {
                                   bb_task_ack_revoke (or bb_task_ack_pause) before then; in a
                                   step of bb_task_run, return from the step (the run gives it
                                   back) */
+  int32_t device;    /* CUDA backends: this process's ordinal of the GPU the grant is mapped on
+                        (cudaSetDevice / cuDeviceGet take it; the trainer's GPU found by UUID,
+                        so it differs from the trainer's ordinal when CUDA_VISIBLE_DEVICES
+                        does); -1 for host. Device work on ptr belongs on this GPU. */
+  uint32_t reserved; /* 0 */
 } bb_task_grant_t;
 
 /* The grant this task maps now (mapping one that was just offered). BB_E_NOT_FOUND when it holds

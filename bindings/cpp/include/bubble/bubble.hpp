@@ -501,6 +501,9 @@ struct task_grant {
   void* ptr;                                 // host pointer, or device pointer for CUDA
   uint64_t bytes;
   std::optional<uint64_t> revoke_deadline_ns;  // set while the trainer asks it back
+  // CUDA backends: this process's ordinal of the GPU the grant is mapped on (cudaSetDevice
+  // takes it; it differs from the trainer's where CUDA_VISIBLE_DEVICES does); -1 for host.
+  int device = -1;
 
   bool revoking() const noexcept { return revoke_deadline_ns.has_value(); }
   template <typename T = std::byte>
@@ -623,7 +626,8 @@ class task {
     detail::check(s);
     return task_grant{g.id, static_cast<grant_backend>(g.backend), g.ptr, g.bytes,
                       g.revoke_deadline_ns ? std::optional<uint64_t>(g.revoke_deadline_ns)
-                                           : std::nullopt};
+                                           : std::nullopt,
+                      g.device};
   }
   // If the trainer is revoking the grant: unmaps it and acks. Stop all use of it first.
   void ack_revoke() { detail::check(bb_task_ack_revoke(h_.get())); }

@@ -2744,12 +2744,14 @@ pub struct bb_task_grant_t {
     pub ptr: *mut ::std::os::raw::c_void,
     pub bytes: u64,
     pub revoke_deadline_ns: u64,
+    pub device: i32,
+    pub reserved: u32,
 }
 #[test]
 fn bindgen_test_layout_bb_task_grant_t() {
     assert_eq!(
         ::std::mem::size_of::<bb_task_grant_t>(),
-        40usize,
+        48usize,
         concat!("Size of: ", stringify!(bb_task_grant_t))
     );
     assert_eq!(
@@ -2859,6 +2861,40 @@ fn bindgen_test_layout_bb_task_grant_t() {
         );
     }
     test_field_revoke_deadline_ns();
+    fn test_field_device() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_task_grant_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).device) as usize - ptr as usize
+            },
+            40usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_task_grant_t),
+                "::",
+                stringify!(device)
+            )
+        );
+    }
+    test_field_device();
+    fn test_field_reserved() {
+        assert_eq!(
+            unsafe {
+                let uninit = ::std::mem::MaybeUninit::<bb_task_grant_t>::uninit();
+                let ptr = uninit.as_ptr();
+                ::std::ptr::addr_of!((*ptr).reserved) as usize - ptr as usize
+            },
+            44usize,
+            concat!(
+                "Offset of field: ",
+                stringify!(bb_task_grant_t),
+                "::",
+                stringify!(reserved)
+            )
+        );
+    }
+    test_field_reserved();
 }
 extern "C" {
     pub fn bb_task_grant(task: bb_task_h, out: *mut bb_task_grant_t) -> bb_status;

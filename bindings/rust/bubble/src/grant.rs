@@ -275,6 +275,12 @@ impl Grant<'_> {
     pub fn as_ptr(&self) -> *mut c_void {
         self.raw.ptr
     }
+    /// For the CUDA backends, this process's ordinal of the GPU the grant is mapped on (the
+    /// trainer's GPU found by UUID, so it differs from the trainer's ordinal where
+    /// `CUDA_VISIBLE_DEVICES` does): device work on the pointer belongs there. None for host.
+    pub fn device(&self) -> Option<i32> {
+        (self.raw.device >= 0).then_some(self.raw.device)
+    }
     /// While the trainer asks the grant back: the deadline to stop using it and call
     /// `Task::ack_revoke` (or `Task::ack_pause`); the task is killed after it.
     pub fn revoke_deadline_ns(&self) -> Option<u64> {

@@ -462,6 +462,7 @@ fn host_grant_written_by_an_imperative_task_is_read_by_the_trainer_then_revoked_
             let mut g = task.grant().unwrap().ok_or("grant() found none")?;
             assert_eq!((g.id(), g.as_ptr()), (region.id, region.ptr));
             assert_eq!(g.backend(), GrantBackend::Host);
+            assert_eq!(g.device(), None, "host memory is on no GPU");
             assert!(!g.is_revoking());
             write_pattern(g.as_mut_slice().unwrap(), 7);
             w2.store(g.id(), Ordering::SeqCst);
