@@ -103,6 +103,9 @@ struct HubObserver::Impl {
     const long n = shm::recv_msg(sock.get(), buf, fds, &nfds, MSG_DONTWAIT);
     shm::Fd f0(fds[0]), f1(fds[1]);
     if (n == -EAGAIN || n == -EWOULDBLOCK) return BB_E_TIMEOUT;
+    if (n == -EMFILE)
+      return break_off(BB_E_SYSTEM, error,
+                       "a task's page comes as a descriptor, and " + shm::no_fd_room_message());
     if (n <= 0)
       return break_off(BB_E_TRAINER_GONE, error, "the trainer closed the observer connection");
     if (pending.empty())
@@ -271,6 +274,9 @@ bb_status HubObserver::open(const std::string& runtime_dir, const std::string& j
   if (n == -EAGAIN || n == -EWOULDBLOCK)
     return set(fail(BB_E_TIMEOUT, "the trainer of hub %s.%u did not answer within %u ms",
                     job.c_str(), rank, ms));
+  if (n == -EMFILE)
+    return set(fail_msg(BB_E_SYSTEM, "cannot observe hub " + job + "." + std::to_string(rank) +
+                        ": its memory comes as descriptors, and " + shm::no_fd_room_message()));
   if (n <= 0)
     return set(fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u closed the connection",
                     job.c_str(), rank));

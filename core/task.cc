@@ -28,6 +28,8 @@ constexpr int64_t kLivenessSliceNs = 100'000'000;
 constexpr uint64_t kMinSpinNs = 1'000;
 constexpr uint64_t kMaxWaitOptionNs = 1'000'000'000;  // wake_lead_ns and spin_ns
 constexpr uint64_t kReattachPollNs = 50'000'000;
+// How long an attach waits for a trainer to take the connection and answer.
+constexpr uint64_t kAnswerTimeoutNs = 5'000'000'000;
 
 // A number the node agent put in a task's environment (see Task::attach). Absent or empty:
 // *found = false. Otherwise it must be a whole number in [lo, hi] (unsigned when lo == 0).
@@ -145,7 +147,7 @@ void Task::release() {
   unmap_failed_ = 0;  // grant ids are the trainer's: a new one starts them again
 }
 
-bb_status Task::connect() {
+bb_status Task::connect(uint64_t deadline_ns) {
   std::string path;
   bb_status st = hub_paths(dir_, job_.c_str(), rank_, &path, nullptr);
   if (st != BB_OK) return st;
@@ -157,13 +159,18 @@ bb_status Task::connect() {
   // A trainer that accepts but never answers must not hang the attach; nor one that stopped
   // accepting (stopped, frozen): its backlog fills, and a connect to a full backlog waits for
   // as long as the send timeout allows. So both are set before the connect.
-  timeval tv{5, 0};
+  const uint64_t now = now_ns();
+  const uint64_t wait_ns = std::max<uint64_t>(
+      1'000'000, std::min<uint64_t>(kAnswerTimeoutNs, deadline_ns > now ? deadline_ns - now : 0));
+  timeval tv{time_t(wait_ns / 1'000'000'000), suseconds_t(wait_ns % 1'000'000'000 / 1000)};
+  const unsigned long long wait_ms = wait_ns / 1'000'000;
   setsockopt(s.get(), SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   setsockopt(s.get(), SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   if (::connect(s.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     if (errno == EAGAIN || errno == EWOULDBLOCK)
       return fail(BB_E_TIMEOUT, "the trainer of hub %s.%u is not accepting connections (its "
-                  "backlog stayed full for 5 s: is it stopped or hung?)", job_.c_str(), rank_);
+                  "backlog stayed full for %llu ms: is it stopped or hung?)", job_.c_str(), rank_,
+                  wait_ms);
     if (errno == ENOENT || errno == ECONNREFUSED)
       return fail(BB_E_NOT_FOUND, "no trainer serves hub %s.%u (%s %s): start the trainer first, "
                   "and give both the same job id, rank and runtime directory", job_.c_str(), rank_,
@@ -201,8 +208,11 @@ bb_status Task::connect() {
   const long n = shm::recv_msg(s.get(), buf, fds, &nfds);
   shm::Fd hub_fd(fds[0]), page_fd(fds[1]);
   if (n == -EAGAIN || n == -EWOULDBLOCK)
-    return fail(BB_E_TIMEOUT, "the trainer at %s did not answer the attach request within 5 s",
-                path.c_str());
+    return fail(BB_E_TIMEOUT, "the trainer at %s did not answer the attach request within %llu ms "
+                "(is it stopped or hung?)", path.c_str(), wait_ms);
+  if (n == -EMFILE)
+    return fail_msg(BB_E_SYSTEM, "cannot attach to the trainer at " + path + ": the hub's "
+                    "memory comes as descriptors, and " + shm::no_fd_room_message());
   if (n <= 0)
     return fail(BB_E_TRAINER_GONE, "the trainer at %s closed the connection during attach",
                 path.c_str());
@@ -300,10 +310,12 @@ bb_status Task::reattach(uint64_t wait_until) {
                                                                    : now + opts_.reattach_timeout_ns;
   }
   for (;;) {
-    const bb_status st = connect();
-    // Not there yet, gone again, or too busy to take us (BB_E_FULL: its slots, or its
-    // connections): tried again until the timeout.
-    if (st == BB_OK || (st != BB_E_NOT_FOUND && st != BB_E_TRAINER_GONE && st != BB_E_FULL)) {
+    const bb_status st = connect(std::min(reattach_until_, wait_until));
+    // Not there yet, gone again, too busy to take us (BB_E_FULL: its slots, or its
+    // connections), or not answering (BB_E_TIMEOUT: a trainer that is stopped, hung, or whose
+    // backlog is full): tried again until the timeout.
+    if (st == BB_OK || (st != BB_E_NOT_FOUND && st != BB_E_TRAINER_GONE && st != BB_E_FULL &&
+                        st != BB_E_TIMEOUT)) {
       reattach_until_ = 0;
       return st;
     }
@@ -314,6 +326,11 @@ bb_status Task::reattach(uint64_t wait_until) {
       if (st == BB_E_FULL)
         return fail_msg(BB_E_FULL, "the new trainer of hub " + job_ + "." + std::to_string(rank_) +
                         " had no room for this task within " + std::to_string(ms) + " ms: " +
+                        last_error());
+      if (st == BB_E_TIMEOUT)
+        return fail_msg(BB_E_TRAINER_GONE, "the trainer of hub " + job_ + "." +
+                        std::to_string(rank_) + " exited, and the one now serving the hub did "
+                        "not take this task within " + std::to_string(ms) + " ms: " +
                         last_error());
       return fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u exited and no trainer reopened the "
                   "hub within %llu ms", job_.c_str(), rank_, ms);
@@ -503,6 +520,10 @@ bb_status Task::wait_start(int64_t timeout_ns, bb_start_info_t* out) {
       return BB_OK;
     }
     if (stopped_ || ctl_->stop.load(std::memory_order_acquire)) {
+      // A stop of the slot's next task (we were dropped after the look at the loop's top, and
+      // the slot went to another, which was stopped) is not ours: the trainer wrote that task's
+      // generation before it could stop it, so this acquire shows it, and the top loses the slot.
+      if (!stopped_ && slot_reused()) continue;
       stopped_ = true;
       return fail(BB_E_STOPPED, "the task was told to stop: finish and detach");
     }
@@ -608,7 +629,15 @@ bb_status Task::wait_for_doorbell(uint32_t bell, uint64_t now, uint64_t until,
     else
       spin_ns_ = std::max<uint64_t>(spin_ns_ / 2, std::min<uint64_t>(kMinSpinNs, opts_.spin_ns));
   }
-  if (w == shm::WaitResult::kTimeout && trainer_gone()) return lose_trainer(until);
+  // A sleep that timed out looks at the trainer; so does one a signal ended, once a slice has
+  // passed since the last look: a handler firing more often than the slice (a profiler's timer,
+  // SIGCHLD of a busy process) would otherwise end every sleep early, and a dead trainer would
+  // never be noticed.
+  if (w == shm::WaitResult::kTimeout ||
+      (w == shm::WaitResult::kInterrupted && woke >= next_wait_look_ns_)) {
+    next_wait_look_ns_ = woke + kLivenessSliceNs;
+    if (trainer_gone()) return lose_trainer(until);
+  }
   return BB_OK;
 }
 
@@ -815,6 +844,9 @@ bb_status Task::take_grant_fd(uint64_t id, shm::Fd* out) {
     int fds[2], nfds;
     const long n = shm::recv_msg(sock_.get(), buf, fds, &nfds, MSG_DONTWAIT);
     shm::Fd f0(fds[0]), f1(fds[1]);
+    if (n == -EMFILE)  // maybe this grant's: it is lost either way
+      return fail_msg(BB_E_SYSTEM, "cannot map grant " + std::to_string(id) + ": its memory "
+                      "comes as a descriptor, and " + shm::no_fd_room_message());
     if (n <= 0) break;  // nothing queued, or the trainer left (noticed by the caller's next look)
     if (nfds != 1 || !shm::check_msg(buf, n, shm::MsgType::kGrantFd, sizeof(shm::GrantFdMsg)))
       continue;

@@ -53,7 +53,9 @@ class Task {
 
  private:
   Task() = default;
-  bb_status connect();        // one attach attempt
+  // One attach attempt; a trainer that does not answer is given 5 s, or until deadline_ns if
+  // that comes sooner (at least 1 ms).
+  bb_status connect(uint64_t deadline_ns = UINT64_MAX);
   // After the trainer went away, by option. Waits at most until wait_until (then BB_E_TIMEOUT;
   // the next call goes on toward the same reattach deadline).
   bb_status reattach(uint64_t wait_until = UINT64_MAX);
@@ -140,6 +142,8 @@ class Task {
   mutable bool trainer_lost_ = false;           // see check_trainer_while_running
   mutable uint32_t pause_polls_ = 0;            // should_pause calls, for its backstop
   mutable uint64_t next_liveness_check_ns_ = 0;
+  // When a sleep a signal interrupted next looks at the trainer (wait_for_doorbell).
+  uint64_t next_wait_look_ns_ = 0;
   bool missed_window_ = false;   // the last spin window ended before the bubble began
   static constexpr uint64_t kFirstStaleSliceNs = 1'000'000;
   bool stopped_ = false;

@@ -1,5 +1,6 @@
 #include "shm/fd_passing.h"
 
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -7,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <string>
 
 #ifndef SYS_pidfd_open
 #define SYS_pidfd_open 434
@@ -67,6 +69,15 @@ int send_with_fds(int sock, const void* data, size_t len, const int* fds, size_t
   }
 }
 
+std::string no_fd_room_message() {
+  rlimit rl{};
+  const std::string limit = getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY
+                                ? " (RLIMIT_NOFILE " + std::to_string(rl.rlim_cur) + ", `ulimit -n`)"
+                                : "";
+  return "this process is at its limit of open descriptors" + limit + ", so the ones sent to "
+         "it were dropped; close descriptors it no longer needs, or raise the limit";
+}
+
 long recv_with_fds(int sock, void* data, size_t cap, int* fds, size_t max_fds, size_t* nfds,
                    int flags, RecvProblem* problem, DisposeFds dispose) {
   *nfds = 0;
@@ -114,7 +125,11 @@ long recv_with_fds(int sock, void* data, size_t cap, int* fds, size_t max_fds, s
     }
   }
   if (dropped) dispose(extra, std::min(dropped, kKernelMaxFds));
-  if ((msg.msg_flags & MSG_CTRUNC) || dropped) *problem = RecvProblem::kTooManyFds;
+  // A truncation with room left in the buffer is the kernel failing to install descriptors
+  // (EMFILE, ENFILE), not a sender passing more than fit.
+  if ((msg.msg_flags & MSG_CTRUNC) && !dropped && got < kKernelMaxFds)
+    *problem = RecvProblem::kNoRoom;
+  else if ((msg.msg_flags & MSG_CTRUNC) || dropped) *problem = RecvProblem::kTooManyFds;
   else if (msg.msg_flags & MSG_TRUNC) *problem = RecvProblem::kTooLong;
   else if (foreign) *problem = RecvProblem::kForeign;
   if (*problem != RecvProblem::kNone) {
@@ -198,6 +213,9 @@ bb_status recv_fds(int sock, void* data, size_t cap, size_t* len, int* fds, size
     case RecvProblem::kForeign:
       *error = "a message carried ancillary data other than descriptors; it was discarded";
       break;
+    case RecvProblem::kNoRoom:
+      *error = no_fd_room_message();
+      return BB_E_SYSTEM;
   }
   return BB_E_CORRUPT;
 }

@@ -28,12 +28,18 @@ inline constexpr size_t kMaxPassedFds = 16;
 // flags, retrying EINTR. Returns 0, EMSGSIZE if only part was sent (a stream socket), or errno.
 int send_with_fds(int sock, const void* data, size_t len, const int* fds, size_t nfds, int flags);
 
-enum class RecvProblem { kNone, kTooManyFds, kTooLong, kForeign };
+// kNoRoom: descriptors came that this process had no room for (at RLIMIT_NOFILE, or the
+// system's limit): the kernel installed what it could and dropped the rest.
+enum class RecvProblem { kNone, kTooManyFds, kTooLong, kForeign, kNoRoom };
 
 // What a receiver does with descriptors it does not keep: by default (nullptr) they are closed at
 // once. A receiver that must never block (the hub's service thread) passes one that closes them
 // on another thread: the close of some blocks (see refuse_passed_fds).
 using DisposeFds = void (*)(const int* fds, size_t n);
+
+// What went wrong when descriptors came that this process had no room for (RecvProblem::kNoRoom),
+// naming its descriptor limit and what to do.
+std::string no_fd_room_message();
 
 // Receives one message of at most cap bytes with at most max_fds (<= kMaxPassedFds)
 // close-on-exec descriptors, retrying EINTR. Returns the byte count (0: the peer closed) or

@@ -21,6 +21,7 @@ long recv_msg(int sock, void* buf, int* fds, int* nfds, int flags, DisposeFds di
       recv_with_fds(sock, buf, kWireMaxMessage, fds, 2, &got, flags, &problem, dispose);
   *nfds = int(got);
   if (n < 0) return n;
+  if (problem == RecvProblem::kNoRoom) return -EMFILE;
   return problem == RecvProblem::kNone ? n : -EMSGSIZE;
 }
 

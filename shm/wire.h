@@ -105,7 +105,8 @@ int send_msg(int sock, const void* msg, size_t size, const int* fds, int nfds, i
 // buf (kWireMaxMessage bytes) and up to 2 descriptors (CLOEXEC; unused slots set to -1). Returns
 // the message size, 0 on EOF, or -errno. A message too long, with more than 2 descriptors or
 // with other ancillary data gives -EMSGSIZE and hands every descriptor that came with it to
-// dispose (recv_with_fds; nullptr: closed at once).
+// dispose (recv_with_fds; nullptr: closed at once); one whose descriptors this process had no
+// room for gives -EMFILE (no_fd_room_message says so).
 long recv_msg(int sock, void* buf, int* fds, int* nfds, int flags = 0,
               DisposeFds dispose = nullptr);
 

@@ -33,6 +33,8 @@
  *   --attach-uid N (started as root): attaches as uid N (real and effective; the saved uid
  *   stays 0), then is root again: a task its trainer, running as N, cannot signal,
  *   --wake predictive|sleep|spin (how it waits for a start),
+ *   --itimer-us N: a SIGALRM every N microseconds, to a handler that does nothing, installed
+ *   without SA_RESTART (as Python's signal.signal does), so sleeps in the library end early,
  *   --grant-seed N: fill each new grant with the pattern word(i) = N ^ (i * 2654435761), and
  *   print "GRANT <id> <bytes>" once it is written (iterative, imperative and the grant modes)
  *   --grant-device (iterative, imperative; with --grant-seed): "GRANT" lines end with
@@ -42,6 +44,9 @@
  *   step), grant (holding a written grant), pause-seen (between seeing a pause and acking it),
  *   acked. With --die-at it also prints "WAITING" before each wait for a start, so a driver
  *   that kills it from outside knows where it was.
+ *
+ *   --fd-room N, --fd-room-attached N: just before attaching (or just after), lowers its
+ *   descriptor limit so that N more descriptors can be opened,
  *
  * It prints "ATTACHED" once attached, "STARTED <seq> kind=<k> len=<ns> free=<bytes>" for every
  * start (imperative; len is the announced length, deadline - begin, 0 if none), and a last line
@@ -57,7 +62,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/time.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -91,6 +98,7 @@ static void say_waiting(void) {
 /* Fills a grant the first time it is seen. With the fake CUDA driver of the tests, "device"
  * pointers are host memory, so the same loop serves every backend. */
 static int grant_device = 0;  /* --grant-device */
+static long fd_room = -1, fd_room_attached = -1;
 static bb_task_h the_task = NULL;
 static void announce_grant(uint64_t id, uint64_t bytes) {
   printf("GRANT %llu %llu", (unsigned long long)id, (unsigned long long)bytes);
@@ -135,6 +143,20 @@ static void close_sockets(void) {
 static void busy(uint64_t ns) {
   const uint64_t until = bb_now_ns() + ns;
   while (bb_now_ns() < until) sink++;
+}
+
+static void on_alarm(int sig) { (void)sig; }
+
+/* Lowers the descriptor limit so that exactly `room` more descriptors can be opened: the
+ * limit bounds descriptor numbers, and a new one takes the lowest free number. */
+static int limit_fds(long room) {
+  const int lowest_free = dup(0);
+  if (lowest_free < 0) return -1;
+  close(lowest_free);
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return -1;
+  rl.rlim_cur = (rlim_t)(lowest_free + room);
+  return setrlimit(RLIMIT_NOFILE, &rl);
 }
 
 static unsigned long slow_step_at = 0; /* --slow-step N:US: the N-th step takes US instead */
@@ -220,6 +242,20 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--wait")) opts.on_trainer_exit = BB_ON_TRAINER_EXIT_WAIT;
     else if (!strcmp(a, "--reattach-ms")) opts.reattach_timeout_ns = strtoull(v, NULL, 10) * 1000000, ++i;
     else if (!strcmp(a, "--grant-device")) grant_device = 1;
+    else if (!strcmp(a, "--fd-room")) fd_room = atol(v), ++i;
+    else if (!strcmp(a, "--fd-room-attached")) fd_room_attached = atol(v), ++i;
+    else if (!strcmp(a, "--itimer-us")) {
+      const long us = atol(v);
+      struct sigaction sa;
+      memset(&sa, 0, sizeof sa);
+      sa.sa_handler = on_alarm; /* no SA_RESTART */
+      struct itimerval it = {{us / 1000000, us % 1000000}, {us / 1000000, us % 1000000}};
+      if (us <= 0 || sigaction(SIGALRM, &sa, NULL) != 0 || setitimer(ITIMER_REAL, &it, NULL) != 0) {
+        fprintf(stderr, "--itimer-us %s: give a positive number of microseconds\n", v);
+        return 64;
+      }
+      ++i;
+    }
     else if (!strcmp(a, "--grant-seed")) grant_seed = (uint32_t)strtoul(v, NULL, 10), grant_seed_set = 1, ++i;
     else if (!strcmp(a, "--die-at")) die_at = v, ++i;
     else if (!strcmp(a, "--attach-uid")) attach_uid = atol(v), ++i;
@@ -250,6 +286,10 @@ int main(int argc, char **argv) {
     perror("--attach-uid: setresuid");
     return 64;
   }
+  if (fd_room >= 0 && limit_fds(fd_room) != 0) {
+    perror("--fd-room");
+    return 64;
+  }
   bb_task_h task = NULL;
   bb_status st = bb_task_attach(job, rank, name, &opts, &task);
   the_task = task;
@@ -259,8 +299,12 @@ int main(int argc, char **argv) {
   }
   if (st != BB_OK) {
     fprintf(stderr, "attach: %s: %s\n", bb_status_name(st), bb_last_error());
-    printf("RESULT %s steps=0 starts=0\n", bb_status_name(st));
+    printf("RESULT %s steps=0 starts=0 error=%s\n", bb_status_name(st), bb_last_error());
     return 2;
+  }
+  if (fd_room_attached >= 0 && limit_fds(fd_room_attached) != 0) {
+    perror("--fd-room-attached");
+    return 64;
   }
   printf("ATTACHED\n");
   fflush(stdout);
@@ -355,9 +399,10 @@ int main(int argc, char **argv) {
     bb_task_detach(task);
     return 64;
   }
-  printf("RESULT %s steps=%llu starts=%llu\n", bb_status_name(st), (unsigned long long)steps,
+  printf("RESULT %s steps=%llu starts=%llu", bb_status_name(st), (unsigned long long)steps,
          (unsigned long long)starts);
-  if (st != BB_OK) fprintf(stderr, "%s\n", bb_last_error());
+  if (st != BB_OK) printf(" error=%s", bb_last_error());
+  printf("\n");
   bb_task_detach(task);
   return 0;
 }

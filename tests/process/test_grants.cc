@@ -100,11 +100,13 @@ struct Trainer : bbtest::TrainerFixture {
   explicit Trainer(const char* job, uint32_t max_running = 1)
       : TrainerFixture(job, 0, 64, max_running) {}
   // clear: -1 leaves the default; struct_size: 0 = the current struct.
-  void lend(bb_grant_backend backend, uint64_t bytes, int clear = -1, uint32_t struct_size = 0) {
+  void lend(bb_grant_backend backend, uint64_t bytes, int clear = -1, uint32_t struct_size = 0,
+            bool auto_grant = true) {
     bb_lend_options_t lo;
     bb_lend_options_init(&lo);
     lo.backend = backend;
     lo.bytes = bytes;
+    lo.auto_grant = auto_grant ? 1 : 0;
     if (clear >= 0) lo.clear_grants = uint32_t(clear);
     if (struct_size) lo.size = struct_size;
     const bb_status st = bb_trainer_lend(h, &lo);
@@ -895,6 +897,28 @@ TEST_CASE("cuda_grants_of_a_caller_built_before_clear_grants_are_cleared") {
 TEST_CASE("cuda_grants_lent_with_clear_grants_0_skip_the_memset") {
   cuda_end_to_end(BB_GRANT_CUDA_VMM, "gz", 0);
   cuda_end_to_end(BB_GRANT_CUDA_IPC, "gy", 0);
+}
+
+TEST_CASE("a_task_at_its_descriptor_limit_is_told_why_its_grant_cannot_be_mapped") {
+  // A host grant comes as a memfd. A task with no room for another descriptor used to report
+  // the grant as corrupt ("the trainer's libbubble may be of another version").
+  RuntimeDir dir;
+  Trainer t("gfd");
+  Child task(task_args("gfd", "w", "imperative",
+                       {"--mem", std::to_string(kMiB), "--fd-room-attached", "0"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  // Granted once its limit is down: the wait it is in maps the grant.
+  t.lend(BB_GRANT_HOST, 4 * kMiB, -1, 0, false);
+  uint64_t gid = 0;
+  REQUIRE(bb_trainer_grant(t.h, t.task_id("w"), 0, &gid) == BB_OK);
+  const std::string result = task.wait_line("RESULT");
+  CAPTURE(result);
+  CHECK(result.rfind("RESULT BB_E_SYSTEM ", 0) == 0);
+  CHECK(result.find("limit of open descriptors") != std::string::npos);
+  CHECK(result.find("another version") == std::string::npos);
+  CHECK(task.wait_exit() == 0);
+  // The grant went back, and nothing of it stays lent.
+  CHECK(eventually([&] { return t.grants().active == 0; }));
 }
 
 TEST_CASE("a_task_is_told_its_own_ordinal_of_the_gpu_its_grant_is_on") {

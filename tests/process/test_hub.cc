@@ -413,6 +413,35 @@ TEST_CASE("a_dead_tasks_slot_is_freed_while_no_bubble_comes_but_never_under_an_o
   CHECK(eventually([&] { return t.stats().tasks_reclaimed == 3; }));
 }
 
+TEST_CASE("a_task_whose_sleeps_a_signal_keeps_ending_still_notices_its_trainer_died") {
+  // A SIGALRM every 20 ms ends each of the task's sleeps (100 ms slices) early. The look at the
+  // trainer came only when a slice ran out, so a task with such a timer never noticed.
+  RuntimeDir dir;
+  Child trainer({trainer_bin(), "sigwait", "0", "--await-tasks", "2"});  // no bubble ever
+  REQUIRE(trainer.wait_line("OPEN") != "");
+  Child task(task_args("sigwait", "w", "imperative", {"--wake", "sleep", "--itimer-us", "20000"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  trainer.signal(SIGKILL);
+  CHECK(trainer.wait_exit() != -1);
+  CHECK(task.wait_line("RESULT", 5000).find("BB_E_TRAINER_GONE") != std::string::npos);
+  CHECK(task.wait_exit(5000) == 0);
+}
+
+TEST_CASE("a_task_at_its_descriptor_limit_is_told_so_when_it_attaches") {
+  // The hub and the task's page come as descriptors; the kernel drops the ones a process has no
+  // room for. That used to read as "the trainer closed the connection during attach".
+  RuntimeDir dir;
+  Trainer t("fdroom");
+  Child task(task_args("fdroom", "w", "imperative", {"--fd-room", "1"}));  // room for the socket
+  const std::string result = task.wait_line("RESULT");
+  CAPTURE(result);
+  CHECK(result.rfind("RESULT BB_E_SYSTEM ", 0) == 0);
+  CHECK(result.find("limit of open descriptors (RLIMIT_NOFILE") != std::string::npos);
+  CHECK(task.wait_exit() != -1);
+  // The trainer takes its slot back.
+  CHECK(eventually([&] { return t.stats().tasks_attached == 0; }));
+}
+
 TEST_CASE("trainer_killed_task_exits_by_default") {
   RuntimeDir dir;
   Child trainer({trainer_bin(), "tk", "0"});
@@ -423,6 +452,38 @@ TEST_CASE("trainer_killed_task_exits_by_default") {
   CHECK(trainer.wait_exit() != -1);
   CHECK(task.wait_line("RESULT").find("BB_E_TRAINER_GONE") != std::string::npos);
   CHECK(task.wait_exit() == 0);
+}
+
+TEST_CASE("a_waiting_task_whose_new_trainer_never_answers_gives_up_at_its_reattach_timeout") {
+  // The trainer dies; what listens on the hub's socket next never takes a connection (a trainer
+  // stopped at a breakpoint as it opened the hub). The task waits for its trainer 1 s, as told:
+  // the attach attempts that get no answer are tried again within that second, and then the
+  // wait ends with BB_E_TRAINER_GONE, not with the first attempt's BB_E_TIMEOUT after 5 s.
+  RuntimeDir dir;
+  Child trainer({trainer_bin(), "mute", "0", "--await-tasks", "2"});
+  REQUIRE(trainer.wait_line("OPEN") != "");
+  Child task(task_args("mute", "patient", "imperative", {"--wait", "--reattach-ms", "1000"}));
+  REQUIRE(task.wait_line("ATTACHED") != "");
+  const std::string path = dir.path() + "/mute.0.sock";
+  // Listening before the trainer dies, under the same name: the task finds it at once.
+  const std::string side = path + ".next";
+  bb::shm::Fd mute(socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0));
+  REQUIRE(mute);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", side.c_str());
+  REQUIRE(bind(mute.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+  REQUIRE(listen(mute.get(), 64) == 0);
+  trainer.signal(SIGKILL);
+  CHECK(trainer.wait_exit() != -1);
+  REQUIRE(rename(side.c_str(), path.c_str()) == 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string result = task.wait_line("RESULT", 4000);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  CAPTURE(result);
+  CAPTURE(std::chrono::duration_cast<std::chrono::milliseconds>(took).count());
+  CHECK(result.rfind("RESULT BB_E_TRAINER_GONE ", 0) == 0);
+  CHECK(task.wait_exit(5000) == 0);
 }
 
 TEST_CASE("trainer_killed_task_waits_reattaches_to_a_new_trainer_and_gives_up_when_none_comes") {

@@ -321,7 +321,8 @@ typedef struct bb_task_options_t {
   uint32_t on_trainer_exit;     /* bb_on_trainer_exit; default RETURN */
   uint32_t wake_mode;           /* bb_wake_mode; default PREDICTIVE */
   uint64_t reattach_timeout_ns; /* with WAIT: give up after this long (a new trainer that is
-                                   full is tried again too); default 60 s */
+                                   full, or does not answer yet, is tried again too); default
+                                   60 s */
   uint64_t spin_ns;             /* spin this long before sleeping on a wait; default 20 us,
                                    at most 1 s */
   const char *runtime_dir;      /* may be NULL: same default as the trainer */
@@ -346,7 +347,8 @@ BB_API void bb_task_options_init_sized(bb_task_options_t *opts, size_t size);
  * calling process (it must be the process that connects, alive, and visible in the trainer's
  * pid namespace; BB_E_UNSUPPORTED on a kernel without pidfd_open), BB_E_TRAINER_GONE when the
  * trainer closed the connection during the attach, BB_E_TIMEOUT when it did not answer within
- * 5 s. */
+ * 5 s, BB_E_SYSTEM when this process has no room for the descriptors the hub comes as (its
+ * RLIMIT_NOFILE). */
 BB_API bb_status bb_task_attach(const char *job_id, uint32_t rank, const char *name,
                                 const bb_task_options_t *opts, bb_task_h *out);
 /* Acks any pending pause, releases the slot and frees the handle. NULL is accepted. */
