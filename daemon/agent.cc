@@ -47,8 +47,14 @@ std::string Agent::start(uv_loop_t* loop) {
   loop_->data = this;
   for (const std::string& d : {cfg_.runtime_dir, cfg_.state_dir, cfg_.state_dir + "/logs",
                                cfg_.state_dir + "/run"}) {
+    const bool runtime = d == cfg_.runtime_dir;
     std::string e = make_dirs(d, 0700);
-    if (e.empty()) e = check_private_dir(d);
+    if (e.empty())
+      e = check_private_dir(
+          d, runtime ? "put hub sockets of its own there, which the agent would observe and "
+                       "place tasks on as if they were trainers'"
+                     : "plant tasks for the agent to run",
+          runtime ? "--runtime-dir, BUBBLE_RUNTIME_DIR" : "--state-dir, BUBBLE_STATE_DIR");
     if (!e.empty()) return e;
   }
   // One agent per state directory: two would launch every queued task twice.

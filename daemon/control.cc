@@ -700,6 +700,23 @@ void on_read(uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) {
                  "truncated frame: the connection ended " + std::to_string(c->frames.pending()) +
                      " bytes into a frame",
                  true);
+    } else if (nread == UV_EOF && !c->sink &&
+               uv_stream_get_write_queue_size(reinterpret_cast<uv_stream_t*>(&c->pipe)) > 0) {
+      // The client shut its side after its requests (a half-close) and may still be reading:
+      // the replies queued for it go out before the connection closes.
+      uv_read_stop(s);
+      c->close_pending = true;
+      std::erase(c->agent->backlog_, c);
+      auto* req = new uv_shutdown_t;
+      req->data = c;
+      // Runs before the handle's close callback frees c, also when a close cancels it.
+      if (uv_shutdown(req, s, [](uv_shutdown_t* r, int) {
+            close_conn(static_cast<Conn*>(r->data));
+            delete r;
+          }) < 0) {
+        delete req;
+        close_conn(c);
+      }
     } else {
       close_conn(c);
     }

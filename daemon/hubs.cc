@@ -249,8 +249,12 @@ void Agent::open_failed(const std::string& name, const std::string& error, bb_st
   std::string job;
   uint32_t rank;
   if (parse_hub_name(name, &job, &rank) && socket_inode(cfg_.runtime_dir, job, rank) == 0) {
-    // Its socket is gone (its trainer closed the hub): the directory watch sees a new one.
+    // Its socket is gone (its trainer closed the hub): the directory watch sees a new one. The
+    // tasks that had attached to it by themselves (rows kept from before an agent restart while
+    // it did not answer) went with it: no snapshot of it will ever end their rows.
     retry_hubs_.erase(name);
+    end_attached_rows(name, "its hub " + name + " closed before the agent could observe it "
+                      "again");
     return;
   }
   OpenRetry& r = retry_hubs_[name];

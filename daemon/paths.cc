@@ -62,21 +62,22 @@ std::string make_dirs(const std::string& path, unsigned mode) {
   return "";
 }
 
-std::string check_private_dir(const std::string& path) {
+std::string check_private_dir(const std::string& path, const std::string& risk,
+                              const std::string& fix) {
   // stat, not lstat: a symbolic link to a directory of our own is fine, and one to anybody
   // else's is refused for what it leads to.
   struct stat st;
   if (stat(path.c_str(), &st) != 0) return "cannot inspect " + path + ": " + strerror(errno);
   if (st.st_uid != geteuid()) {
     return path + " belongs to uid " + std::to_string(st.st_uid) + ", not to this agent's uid " +
-           std::to_string(geteuid()) + ": whoever owns it could plant tasks for the agent to run; "
-           "remove it, or choose a directory of your own (--state-dir, BUBBLE_STATE_DIR)";
+           std::to_string(geteuid()) + ": whoever owns it could " + risk + "; remove it, or "
+           "choose a directory of your own (" + fix + ")";
   }
   if (st.st_mode & (S_IWGRP | S_IWOTH)) {
     char mode[8];
     snprintf(mode, sizeof mode, "%03o", unsigned(st.st_mode & 0777));
-    return path + " is writable by others (mode " + mode + "): they could plant tasks for the "
-           "agent to run; chmod 700 it, or choose another directory";
+    return path + " is writable by others (mode " + mode + "): they could " + risk +
+           "; chmod 700 it, or choose another directory (" + fix + ")";
   }
   return "";
 }

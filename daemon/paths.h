@@ -26,6 +26,9 @@ std::string make_dirs(const std::string& path, unsigned mode);
 // "" when the directory is this process's own (owned by its effective uid) and nobody else
 // may write in it; else an error sentence. What the agent reads back from its state directory
 // (queued tasks, their argv and environment) it runs, so nobody else may write there.
-std::string check_private_dir(const std::string& path);
+// risk: what whoever else controls the directory could do ("plant tasks for the agent to
+// run"); fix: where to choose another ("--state-dir, BUBBLE_STATE_DIR").
+std::string check_private_dir(const std::string& path, const std::string& risk,
+                              const std::string& fix);
 
 }  // namespace bb::daemon

@@ -25,6 +25,10 @@
 
 namespace bb::daemon {
 
+// a + b, or UINT64_MAX where it would wrap: memory needs come from tasks (a self-attached one
+// states any mem_need), and a sum that wrapped would make a full hub look empty.
+inline uint64_t add_sat(uint64_t a, uint64_t b) { return b > UINT64_MAX - a ? UINT64_MAX : a + b; }
+
 struct HubCandidate {
   std::string name;       // JOB:RANK
   bool alive = false;

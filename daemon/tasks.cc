@@ -291,7 +291,7 @@ uint64_t Agent::granted_on(const std::string& hub) const {
   uint64_t sum = 0;
   for (const auto& [id, row] : tasks_) {
     if (row.hub == hub && !state_is_final(row.state) && row.state != "queued") {
-      sum += row.spec.mem_need;
+      sum = add_sat(sum, row.spec.mem_need);
     }
   }
   return sum;
@@ -378,7 +378,7 @@ void Agent::schedule() {
       continue;
     }
     HubCandidate& c = cands[static_cast<size_t>(pr.hub)];
-    c.granted += row->spec.mem_need;
+    c.granted = add_sat(c.granted, row->spec.mem_need);
     c.tasks += 1;
     if (c.free_slots) c.free_slots -= 1;
   }
@@ -755,7 +755,11 @@ std::string Agent::cancel(int64_t id, std::string* done, bool* not_found) {
   }
   if (row.origin == "attached") {
     auto hit = hubs_.find(row.hub);
-    std::string err = "its hub is gone";
+    auto retry = retry_hubs_.find(row.hub);
+    std::string err = retry != retry_hubs_.end() && retry->second.hung
+                          ? "the trainer of its hub " + row.hub + " does not answer (stopped or "
+                            "hung?); cancel it again once the trainer goes on"
+                          : "its hub is gone";
     bool ok = false;
     if (hit != hubs_.end() && hit->second->obs) {
       for (const auto& [hid, rid] : hit->second->task_rows) {

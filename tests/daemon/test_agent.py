@@ -203,9 +203,9 @@ def test_errors_name_the_problem_and_the_fix(env):
         assert "another bubbled uses the state directory" in f.read()
 
 
-def _agent_refuses(env, state, name):
+def _agent_refuses(env, state, name, extra=()):
     p = env.spawn([BUBBLED, "--socket", os.path.join(env.root, name + ".sock"), "--state-dir",
-                   state, "--metrics-port", "off"], name + ".log")
+                   state, "--metrics-port", "off", *extra], name + ".log")
     assert p.wait(timeout=30) == 1
     with open(os.path.join(env.root, name + ".log")) as f:
         return f.read()
@@ -236,6 +236,15 @@ def test_a_state_directory_others_may_write_in_is_refused(env):
         link = os.path.join(env.root, "link")
         os.symlink(theirs, link)
         assert "belongs to uid 65534" in _agent_refuses(env, link, "link")
+    # The runtime directory, where trainers' hub sockets are: the refusal names its own risk
+    # and option, not the state directory's.
+    sockets = os.path.join(env.root, "shared-runtime")
+    os.mkdir(sockets)
+    os.chmod(sockets, 0o777)
+    text = _agent_refuses(env, os.path.join(env.root, "fresh"), "rt",
+                          ("--runtime-dir", sockets))
+    assert "shared-runtime is writable by others (mode 777)" in text, text
+    assert "hub sockets" in text and "--runtime-dir" in text and "--state-dir" not in text, text
     # The same directory, made private, is used.
     os.chmod(shared, 0o700)
     env.state = shared

@@ -38,6 +38,24 @@ def test_tasks_go_where_their_memory_fits(env):
     assert env.wait_state(huge, "running")["hub"] == "j:2"
 
 
+def test_memory_needs_that_would_wrap_the_sum_leave_the_hub_full(env):
+    """A task that attaches by itself states any mem_need. Two of 2^63 bytes summed to 0 and
+    the hub looked empty: a submitted task was placed on memory that was all spoken for."""
+    env.trainer("j", 0, free_mib=4096)
+    env.start_agent()
+    hubs_reported(env, ["j:0"])
+    for k in range(2):
+        env.spawn([TASK_GOOD, "0"], f"greedy{k}.log",
+                  env=dict(env.env, BUBBLE_JOB="j", BUBBLE_RANK="0",
+                           BUBBLE_TASK_NAME=f"greedy{k}", BUBBLE_MEM_NEED=str(1 << 63)))
+    wait_until("both to be adopted", lambda: len([t for t in env.tasks().values()
+                                                  if t["name"].startswith("greedy")]) == 2)
+    assert env.hub("j:0")["mem_granted"] == (1 << 64) - 1
+    tid = env.submit(TASK_GOOD, "0", opts=("--mem", "1G"))
+    t = env.task(tid)
+    assert t["state"] == "queued" and "MiB" in t["message"], t
+
+
 def test_higher_priority_is_placed_first(env):
     env.trainer("j", 0, free_mib=1024)
     env.start_agent("--stop-timeout-ms", "1000")

@@ -93,6 +93,21 @@ def test_truncated_frame(agent):
     expect_error_and_close(s, "truncated frame")
 
 
+def test_a_client_that_half_closes_after_its_requests_gets_every_reply(agent):
+    """A client may send its requests, shut its side (as `socat` or a shell pipe does) and then
+    read. Replies the agent had queued, not yet written, were dropped with the connection."""
+    s = connect(agent)
+    n = 5000  # their replies fill the socket's buffer, so some wait in the agent's queue
+    s.sendall(frame(encode(HELLO)) + frame(encode("(id = 2, status = void)")) * n)
+    s.shutdown(socket.SHUT_WR)
+    time.sleep(0.5)  # not reading: the agent's queue fills
+    got = 0
+    while read_frame(s) is not None:
+        got += 1
+    assert got == n + 1
+    s.close()
+
+
 def test_a_client_that_never_says_hello_is_closed_and_an_idle_one_after_hello_is_not(agent):
     hello, status = frame(encode(HELLO)), frame(encode("(id = 2, status = void)"))
     silent = connect(agent)

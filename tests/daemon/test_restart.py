@@ -1,5 +1,6 @@
 """Nothing is lost: an agent killed with SIGKILL and restarted keeps every submission and every
 result, re-adopts tasks still alive (by pid and start time), and never adopts a reused pid."""
+import contextlib
 import os
 import re
 import select
@@ -469,11 +470,11 @@ def test_a_record_the_agent_could_not_write_is_written_later_and_its_status_is_k
     assert t["state"] == "failed" and t["exit_code"] == 3, t
 
 
-def test_a_hub_whose_trainer_is_stopped_is_observed_once_it_goes_on(env):
-    """A trainer stopped (a debugger, a suspended job) while the agent starts holds the
-    connection without answering. That is not a dead trainer's socket: the agent keeps trying
-    it, slowly, keeps the rows of the tasks attached to it, and observes the hub once the
-    trainer goes on, with those tasks under the ids they had."""
+@contextlib.contextmanager
+def _outsider_under_a_stopped_trainer(env):
+    """A trainer and a task that attached to it by itself; the agent restarted while the
+    trainer is stopped (a debugger, a suspended job). Yields (trainer, task, task id) past the
+    agent's quick tries, the task's row kept; the trainer goes on (SIGCONT) on the way out."""
     trainer = env.trainer("j", 0)
     env.start_agent()
     ext = env.spawn([TASK_GOOD, "0"], "external.log",
@@ -488,12 +489,38 @@ def test_a_hub_whose_trainer_is_stopped_is_observed_once_it_goes_on(env):
         wait_until("the quick tries over", lambda: "stopped or hung?" in env.log_tail()
                    or "no trainer answers" in env.log_tail(), timeout=60)
         assert env.task(tid)["state"] == "running", env.task(tid)
+        yield trainer, ext, tid
     finally:
         os.kill(trainer.pid, signal.SIGCONT)
+
+
+def test_a_hub_whose_trainer_is_stopped_is_observed_once_it_goes_on(env):
+    """A stopped trainer holds the connection without answering. That is not a dead trainer's
+    socket: the agent keeps trying it, slowly, keeps the rows of the tasks attached to it, and
+    observes the hub once the trainer goes on, with those tasks under the ids they had."""
+    with _outsider_under_a_stopped_trainer(env) as (trainer, ext, tid):
+        pass
     wait_until("the hub observed again", lambda: (env.hub("j:0") or {}).get("alive"), timeout=60)
     t = env.task(tid)
     assert t["state"] == "running" and t["pid"] == ext.pid, t
     assert [x["id"] for x in env.tasks().values() if x["name"] == "outsider"] == [tid]
+
+
+def test_a_stopped_hub_that_closes_before_it_is_observed_again_ends_its_tasks_rows(env):
+    """As above, but the trainer goes on only to close its hub at once, and its task leaves
+    with it, before the agent's next try: the row kept for the task must end then, not stay
+    running for good (no snapshot of that hub will ever come to end it)."""
+    with _outsider_under_a_stopped_trainer(env) as (trainer, ext, tid):
+        assert "stopped or hung?" in env.log_tail()
+        # Its stop cannot be asked meanwhile, and the refusal says why: not a hub that is gone.
+        r = env.ctl("cancel", str(tid), check=False)
+        assert r.returncode != 0 and "does not answer (stopped or hung?)" in r.stderr, r
+        # Pending before it goes on: it closes its hub (its socket goes) as it resumes.
+        os.kill(trainer.pid, signal.SIGTERM)
+    trainer.wait(timeout=30)
+    ext.wait(timeout=30)
+    t = env.wait_state(tid, ("lost", "finished", "failed"), timeout=60)
+    assert "closed before the agent could observe it" in t["message"], t
 
 
 def test_writes_the_database_refuses_are_kept_and_made_once_it_takes_them(env):
