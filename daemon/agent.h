@@ -93,6 +93,9 @@ struct LiveTask {
   bool killed_by_agent = false;
   bool cancel = false;
   bool replace = false;
+  // Why it is placed again ("hub j:0 drained"), said when it was decided: by the time the task
+  // exits, a new trainer may serve a hub that went away under the same name.
+  std::string replace_why;
   bool exited = false;
   bool watch_failed = false;  // pidfd_open failed for a reason other than its exit
 };

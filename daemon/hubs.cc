@@ -368,6 +368,7 @@ void Agent::on_hub_gone(Hub* hub, const char* why) {
     LiveTask* lt = live(id);
     if (lt && !lt->cancel) {
       lt->replace = true;
+      lt->replace_why = "hub " + hub->name + " went away";
       record(&row, row.pid, hub->name, "replace", "its hub went away: re-placing the task");
       terminate(&row, "its hub went away");
     }

@@ -547,6 +547,7 @@ void Agent::on_task_exit(LiveTask* lt, ExitStatus st) {
   if (recorded) st = file;  // the task's own status, not the wrapper's
   kill_orphans(row, !recorded);
   bool killed = lt->killed_by_agent, cancel = lt->cancel, replace = lt->replace;
+  const std::string replace_why = lt->replace_why;
   release_live(row.id);
   row.exit_code = st.known ? st.code : -1;
   row.signal = st.signal;
@@ -575,7 +576,9 @@ void Agent::on_task_exit(LiveTask* lt, ExitStatus st) {
                                      " times (" + how + ")");
     } else {
       row.state = "queued";
-      row.requeue_note = hub_alive ? "hub " + row.hub + " drained" : "hub " + row.hub + " went away";
+      row.requeue_note = !replace_why.empty() ? replace_why
+                         : hub_alive          ? "hub " + row.hub + " drained"
+                                              : "hub " + row.hub + " went away";
       row.message = "re-placing: " + row.requeue_note + " (" + how + ")";
       row.pid = 0;
       row.pid_start = 0;
@@ -827,6 +830,7 @@ std::string Agent::drain(const std::string& hub_name, bool undo, std::string* do
     LiveTask* lt = live(id);
     if (!lt) continue;
     lt->replace = true;
+    lt->replace_why = "hub " + hub_name + " drained";
     record(&row, row.pid, hub_name, "replace", "its hub is draining: re-placing the task");
     terminate(&row, "its hub is draining");
     ++moved;
