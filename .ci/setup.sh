@@ -28,6 +28,15 @@ fi
 
 [ "$preset" = --packages ] && exit 0
 
+# The CUDA Toolkit is not a Debian package: every build compiles and links the CUDA code (no GPU
+# is needed; the driver is loaded at run time). Say so at once rather than as CMake's error.
+if [ -z "${CUDAToolkit_ROOT:-}" ] && [ ! -x /usr/local/cuda/bin/nvcc ] && ! command -v nvcc > /dev/null; then
+  echo "error: the CUDA Toolkit was not found (no /usr/local/cuda/bin/nvcc, no nvcc on PATH):" >&2
+  echo "  install it from NVIDIA's CUDA repository for Debian 12 (it goes to /usr/local/cuda; NCCL" >&2
+  echo "  is optional), or set CUDAToolkit_ROOT to where it is. No GPU is needed." >&2
+  exit 1
+fi
+
 # cargo from rustup lives in ~/.cargo/bin, which a login shell may not have put on PATH; the
 # configure step looks for it there too (the Rust binding tests need it).
 if ! command -v cargo > /dev/null && [ -x "${HOME:-/root}/.cargo/bin/cargo" ]; then

@@ -9,6 +9,7 @@
 //
 // A window keeps whatever its previous holder, or the trainer, left in it, so create() zeroes it
 // on the device before the grant exists (unless the lender was told all tasks share one owner).
+#include <algorithm>
 #include <cstring>
 
 #include "core/cuda_driver.h"
@@ -83,7 +84,8 @@ class IpcExporter final : public GrantExporter {
                " the lender was told: set the lend options' device to " + std::to_string(on);
       return BB_E_INVALID;
     }
-    if (ptr_ + capacity_ > base + alloc_size) {
+    // In differences, not sums: a capacity near 2^64 ("all of it") wraps a sum below the end.
+    if (ptr_ < base || capacity_ > alloc_size - std::min<uint64_t>(alloc_size, ptr_ - base)) {
       *error = "the cuda-ipc lent range [" + std::to_string(ptr_) + ", +" +
                std::to_string(capacity_) + ") runs past the end of its allocation (" +
                std::to_string(alloc_size) + " bytes): lend a range inside one allocation";

@@ -1,6 +1,7 @@
 #include "core/grant_lender.h"
 
 #include <algorithm>
+#include <thread>
 
 #include "core/cuda_driver.h"
 
@@ -82,12 +83,17 @@ const GrantLender::Record* GrantLender::find_locked(uint64_t grant_id) const {
 }
 
 bb_status GrantLender::grant(uint64_t size, uint64_t owner, Grant* out, std::string* error) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> held = lock();
   uint64_t offset = 0, rounded = 0;
   bb_status st = pool_->alloc(size, &offset, &rounded);
+  if (st == BB_E_NOMEM && size > pool_->capacity()) st = BB_E_INVALID;  // waiting cannot help
   if (st != BB_OK) {
     ++failed_;
-    if (st == BB_E_INVALID)
+    if (st == BB_E_INVALID && size > pool_->capacity())
+      *error = "a grant of " + std::to_string(size) + " bytes is larger than all the lent memory (" +
+               std::to_string(pool_->capacity()) + " bytes): lend more, or ask for less (the "
+               "task's mem_need)";
+    else if (st == BB_E_INVALID)
       *error = "a grant of 0 bytes: ask for the bytes the task needs";
     else if (st == BB_E_FULL)
       *error = "all " + std::to_string(pool_->max_allocs()) + " grants of this lent range are in "
@@ -119,12 +125,12 @@ bb_status GrantLender::grant(uint64_t size, uint64_t owner, Grant* out, std::str
 }
 
 void GrantLender::descriptor_sent(uint64_t grant_id) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> held = lock();
   if (Record* r = find_locked(grant_id)) exporter_->descriptor_sent(r->grant.offset, &r->grant.handle);
 }
 
 bb_status GrantLender::revoke(uint64_t grant_id, uint64_t deadline_ns, std::string* error) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> held = lock();
   Record* r = find_locked(grant_id);
   if (!r) {
     *error = "no grant " + std::to_string(grant_id) + " in this lent range";
@@ -140,7 +146,7 @@ bb_status GrantLender::revoke(uint64_t grant_id, uint64_t deadline_ns, std::stri
 }
 
 bool GrantLender::hasten(uint64_t grant_id, uint64_t deadline_ns) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> held = lock();
   Record* r = find_locked(grant_id);
   if (!r || r->state != GrantState::kRevoking) return false;
   r->deadline_ns = std::min(r->deadline_ns, deadline_ns);
@@ -163,7 +169,7 @@ bb_status GrantLender::release_locked(size_t i, std::string* error) {
 }
 
 bb_status GrantLender::release(uint64_t grant_id, std::string* error) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> held = lock();
   for (size_t i = 0; i < records_.size(); ++i) {
     if (records_[i].grant.id != grant_id) continue;
     if (records_[i].state == GrantState::kQuarantined) {
@@ -178,7 +184,7 @@ bb_status GrantLender::release(uint64_t grant_id, std::string* error) {
 }
 
 size_t GrantLender::release_owner(uint64_t owner) {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> held = lock();
   size_t n = 0;
   for (size_t i = records_.size(); i-- > 0;) {
     if (records_[i].owner != owner || records_[i].state == GrantState::kQuarantined) continue;
@@ -189,7 +195,7 @@ size_t GrantLender::release_owner(uint64_t owner) {
 }
 
 size_t GrantLender::overdue(uint64_t now_ns, uint64_t* ids, size_t cap) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> held = lock();
   size_t n = 0;
   for (const Record& r : records_) {
     if (r.state != GrantState::kRevoking || r.deadline_ns > now_ns) continue;
@@ -199,9 +205,16 @@ size_t GrantLender::overdue(uint64_t now_ns, uint64_t* ids, size_t cap) const {
   return n;
 }
 
+std::unique_lock<std::mutex> GrantLender::lock() const {
+  waiting_.fetch_add(1);
+  std::unique_lock<std::mutex> held(mu_);
+  waiting_.fetch_sub(1);
+  return held;
+}
+
 bb_status GrantLender::find(uint64_t grant_id, Grant* out, GrantState* state,
                             uint64_t* owner) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> held = lock();
   const Record* r = find_locked(grant_id);
   if (!r) return BB_E_NOT_FOUND;
   if (out) *out = r->grant;
@@ -211,14 +224,14 @@ bb_status GrantLender::find(uint64_t grant_id, Grant* out, GrantState* state,
 }
 
 uint64_t GrantLender::address(uint64_t grant_id) const {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> held = lock();
   const Record* r = find_locked(grant_id);
   return r ? exporter_->address(r->grant.offset) : 0;
 }
 
 bb_status GrantLender::read(uint64_t grant_id, uint64_t offset, void* dst, uint64_t bytes,
                            std::string* error) {
-  std::unique_lock<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> held = lock();
   const Record* r = find_locked(grant_id);
   if (!r || r->state == GrantState::kQuarantined) {
     *error = "grant " + std::to_string(grant_id) + (r ? " could not be given back (quarantined)"
@@ -235,14 +248,16 @@ bb_status GrantLender::read(uint64_t grant_id, uint64_t offset, void* dst, uint6
   }
   if (bytes == 0) return BB_OK;
   // Under the lock, so that no release() unmaps the range while the copy runs; a piece at a
-  // time, so that the hub's service thread (whose grant work takes this lock) waits at most one
-  // piece. A grant released between two pieces ends the copy with BB_E_NOT_FOUND.
+  // time, and every thread that waits for the lock meanwhile (the hub's service thread, whose
+  // grant work takes it) goes first between two pieces, so it waits at most one piece. A grant
+  // released between two pieces ends the copy with BB_E_NOT_FOUND.
   constexpr uint64_t kPiece = 4ull << 20;
   const uint64_t first = r->grant.offset;  // ids are never reused: a live id is this grant
   for (uint64_t done = 0; done < bytes;) {
     if (done != 0) {
-      lock.unlock();
-      lock.lock();
+      held.unlock();
+      while (waiting_.load() != 0) std::this_thread::yield();
+      held.lock();
       const Record* again = find_locked(grant_id);
       if (!again || again->state == GrantState::kQuarantined) {
         *error = "grant " + std::to_string(grant_id) + " was given back during the copy (its "
@@ -261,12 +276,12 @@ bb_status GrantLender::read(uint64_t grant_id, uint64_t offset, void* dst, uint6
 }
 
 uint64_t GrantLender::next_id() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> held = lock();
   return next_id_;
 }
 
 LenderStats GrantLender::stats() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  const std::unique_lock<std::mutex> held = lock();
   LenderStats s;
   s.capacity = pool_->capacity();
   s.granted_bytes = pool_->used();

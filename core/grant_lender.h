@@ -14,6 +14,7 @@
 
 #include <bubble/bubble.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -129,7 +130,13 @@ class GrantLender {
   const Record* find_locked(uint64_t grant_id) const;
   bb_status release_locked(size_t index, std::string* error);
 
+  // mu_, taken by everyone but a read's later pieces through lock(): a thread waiting for it
+  // counts itself in waiting_, so that read() lets every such thread in between two pieces
+  // (an unlock and a relock of a std::mutex hands nothing over: the unlocking thread, still
+  // running, takes it back before the woken one runs).
+  std::unique_lock<std::mutex> lock() const;
   mutable std::mutex mu_;
+  mutable std::atomic<uint32_t> waiting_{0};
   GrantBackend backend_ = GrantBackend::kNone;
   std::unique_ptr<GrantExporter> exporter_;
   std::unique_ptr<GrantPool> pool_;

@@ -10,7 +10,9 @@ duration=20
 setup=1
 while (($#)); do
   case "$1" in
-    --duration-s) duration="$2"; shift 2 ;;
+    --duration-s)
+      [[ "${2:-}" =~ ^[1-9][0-9]*$ ]] || { echo "--duration-s ${2:-}: give a whole number of seconds, at least 1" >&2; exit 64; }
+      duration="$2"; shift 2 ;;
     --no-setup) setup=0; shift ;;
     *) echo "usage: $0 [--duration-s N] [--no-setup]" >&2; exit 64 ;;
   esac

@@ -18,7 +18,14 @@ jobs="$(nproc)"
 "$root/.ci/setup.sh" release
 echo "== tests: release build"
 (cd "$root/build/release" && ctest --output-on-failure -j "$jobs" --timeout 900)
+note_cargo() {
+  if grep -q '^BB_CARGO:FILEPATH=.*NOTFOUND' "$root/build/release/CMakeCache.txt"; then
+    echo "== note: cargo was not found, so the Rust binding tests and the cross-language and"
+    echo "   examples runs (which include a Rust task) did not run: install Rust (rustup)"
+  fi
+}
 if ((quick)); then
+  note_cargo
   exit 0
 fi
 
@@ -40,7 +47,5 @@ echo "== fuzzing: ${BUBBLE_FUZZ_SECONDS:-30} s per target"
 cmake --preset fuzz -S "$root" -DBUBBLE_FUZZ_SECONDS="${BUBBLE_FUZZ_SECONDS:-30}" > /dev/null
 cmake --build --preset fuzz -j "$jobs" --target fuzz_hub_header fuzz_task_page fuzz_control_frame
 (cd "$root/build/fuzz" && ctest --output-on-failure -j "$jobs" -L fuzz)
-if grep -q '^BB_CARGO:FILEPATH=.*NOTFOUND' "$root/build/release/CMakeCache.txt"; then
-  echo "== note: cargo was not found, so the Rust binding tests did not run (install Rust)"
-fi
+note_cargo
 echo "== all test stages passed"

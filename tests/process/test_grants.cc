@@ -125,6 +125,13 @@ struct Trainer : bbtest::TrainerFixture {
     REQUIRE(st == BB_OK);
     return g;
   }
+  // Waits for the task's attach, then runs bubbles until it wrote its grant; the grant's id.
+  uint64_t attached_and_granted(Child& task) {
+    REQUIRE(task.wait_line("ATTACHED") != "");
+    const uint64_t gid = until_granted(task);
+    REQUIRE(gid != 0);
+    return gid;
+  }
   // Runs bubbles until the task prints its GRANT line; returns the grant id it names (0: none).
   uint64_t until_granted(Child& task) {
     std::string line;
@@ -165,9 +172,7 @@ TEST_CASE("host_grant_written_by_task_is_read_by_trainer_then_revoked_and_acked"
     t.lend(BB_GRANT_HOST, 4 * kMiB);
     Child task(task_args("gh", "w", "iterative",
                          {"--mem", std::to_string(64 * kKiB), "--grant-seed", "7"}));
-    REQUIRE(task.wait_line("ATTACHED") != "");
-    const uint64_t gid = t.until_granted(task);
-    REQUIRE(gid != 0);
+    const uint64_t gid = t.attached_and_granted(task);
     const int fds_granted = count_fds();
     const uint64_t id = t.task_id("w");
     bb_grant_info_t g = t.grant_of(id);
@@ -705,8 +710,10 @@ TEST_CASE("lend_and_grant_calls_reject_bad_input_with_a_clear_error") {
   CHECK(t.grant_of(id).state == BB_GRANT_STATE_NONE);
   CHECK(bb_trainer_revoke(t.h, id, 0) == BB_E_NOT_FOUND);
   CHECK(bb_trainer_grant(t.h, id, 0, nullptr) == BB_E_INVALID);
-  CHECK(bb_trainer_grant(t.h, id, 2 * kMiB, nullptr) == BB_E_NOMEM);
-  CHECK(std::string(bb_last_error()).find("no room") != std::string::npos);
+  // More than all the lent memory (1 MiB): no release would make room, so it is not "no room".
+  CHECK(bb_trainer_grant(t.h, id, 2 * kMiB, nullptr) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("larger than all the lent memory (1048576 bytes)") !=
+        std::string::npos);
   CHECK(bb_task_grant(nullptr, nullptr) == BB_E_INVALID);
 }
 
@@ -897,6 +904,68 @@ TEST_CASE("cuda_grants_of_a_caller_built_before_clear_grants_are_cleared") {
 TEST_CASE("cuda_grants_lent_with_clear_grants_0_skip_the_memset") {
   cuda_end_to_end(BB_GRANT_CUDA_VMM, "gz", 0);
   cuda_end_to_end(BB_GRANT_CUDA_IPC, "gy", 0);
+}
+
+TEST_CASE("a_long_read_of_a_grant_lets_the_hub_service_in_between_its_pieces") {
+  // bb_trainer_read_grant copies 4 MiB at a time under the lender's lock. Between two pieces it
+  // unlocked and locked again at once, which let no waiting thread in: the hub's service thread
+  // (here answering bb_trainer_task_grant) waited for the whole copy.
+  RuntimeDir dir;
+  Trainer t("gread");
+  t.lend(BB_GRANT_HOST, 256 * kMiB);
+  Child task(task_args("gread", "w", "imperative",
+                       {"--mem", std::to_string(128 * kMiB), "--grant-seed", "3"}));
+  const uint64_t gid = t.attached_and_granted(task);
+  const uint64_t id = t.task_id("w");
+  std::atomic<bool> stop{false}, reading{false};
+  std::atomic<uint64_t> reads{0};
+  std::vector<char> buf(128 * kMiB);
+  std::thread reader([&] {
+    while (!stop.load()) {
+      reading = true;
+      CHECK(bb_trainer_read_grant(t.h, gid, 0, buf.data(), buf.size()) == BB_OK);
+      reads.fetch_add(1);
+    }
+  });
+  REQUIRE(eventually([&] { return reading.load(); }));
+  // Answered inside one read (no read ended meanwhile): with the hand-over, nearly every time;
+  // without it, never (the answer waited for the read's end, and the count moves first).
+  int inside = 0;
+  for (int k = 0; k < 5; ++k) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));
+    const uint64_t before = reads.load();
+    bb_grant_info_t g{sizeof g};
+    CHECK(bb_trainer_task_grant(t.h, id, &g) == BB_OK);
+    if (reads.load() == before) ++inside;
+  }
+  stop = true;
+  reader.join();
+  CHECK(inside > 0);
+  CHECK(pattern_ok(reinterpret_cast<uint64_t>(buf.data()), buf.size(), 3));
+}
+
+TEST_CASE("a_mem_need_larger_than_all_the_lent_memory_is_not_tried_again_and_again") {
+  // Taken for "no room now", it was tried again whenever memory was released or a task
+  // attached, for good, and failed each time.
+  RuntimeDir dir;
+  Trainer t("gbig");
+  t.lend(BB_GRANT_HOST, kMiB);
+  Child big(task_args("gbig", "big", "attach-only", {"--mem", std::to_string(2 * kMiB)}));
+  REQUIRE(big.wait_line("ATTACHED") != "");
+  REQUIRE(eventually([&] { return t.grants().grants_failed == 1; }));
+  for (const char* name : {"other1", "other2"}) {  // each attach tries the waiting ones again
+    Child other(task_args("gbig", name, "attach-only"));
+    REQUIRE(other.wait_line("ATTACHED") != "");
+    REQUIRE(eventually([&] { return t.stats().tasks_attached == 2; }));
+    other.signal(SIGKILL);
+    CHECK(other.wait_exit() != -1);
+    REQUIRE(eventually([&] { return t.stats().tasks_attached == 1; }));
+  }
+  CHECK(t.grants().grants_failed == 1);
+  CHECK(t.grant_of(t.task_id("big")).state == BB_GRANT_STATE_NONE);
+  // Asked for by name, it says why.
+  CHECK(bb_trainer_grant(t.h, t.task_id("big"), 0, nullptr) == BB_E_INVALID);
+  CHECK(std::string(bb_last_error()).find("larger than all the lent memory") != std::string::npos);
 }
 
 TEST_CASE("a_task_at_its_descriptor_limit_is_told_why_its_grant_cannot_be_mapped") {

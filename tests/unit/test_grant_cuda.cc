@@ -470,6 +470,10 @@ TEST_CASE("cuda-ipc: lending part of the trainer's own allocation") {
     std::string e2;
     lender(GrantBackend::kCudaIpc, 2 * kMiB, base + 3 * kMiB, BB_E_INVALID, &e2);
     CHECK(e2.find("runs past the end of its allocation") != std::string::npos);
+    // "All of it": a size whose end, added up, wraps below the allocation's end.
+    e2.clear();
+    lender(GrantBackend::kCudaIpc, UINT64_MAX - 4095, base + kMiB, BB_E_INVALID, &e2);
+    CHECK(e2.find("runs past the end of its allocation") != std::string::npos);
     lender(GrantBackend::kCudaIpc, 2 * kMiB, 0x1000, BB_E_SYSTEM, &e2);
     CHECK(e2.find("cuMemGetAddressRange") != std::string::npos);
   }

@@ -524,7 +524,8 @@ BB_API bb_status bb_trainer_unlend(bb_trainer_h trainer, uint64_t deadline_ns);
  * the grant's id, 0 on failure. BB_E_NOMEM when no free extent is large enough, BB_E_FULL when max_grants are
  * live, BB_E_BUSY when the task holds a grant (or its connection is full: try again shortly),
  * BB_E_STATE when nothing is lent or it is being taken back, BB_E_NOT_FOUND when the task is not
- * attached, BB_E_INVALID when bytes is 0 and the task stated no mem_need. */
+ * attached, BB_E_INVALID when bytes is 0 and the task stated no mem_need, or when they are more
+ * than all the lent memory (a task whose mem_need is is not granted automatically either). */
 BB_API bb_status bb_trainer_grant(bb_trainer_h trainer, uint64_t task_id, uint64_t bytes,
                                   uint64_t *grant_id);
 /* Asks a task to give its grant back by deadline_ns (CLOCK_MONOTONIC; 0 = now + 1 s). Returns
