@@ -107,6 +107,8 @@ bb_status bb_trainer_open(const char* job_id, uint32_t rank, const bb_trainer_op
 }
 
 bb_status bb_trainer_close(bb_trainer_h trainer) {
+  // A stream timing left open stops first: its watcher calls into the trainer.
+  if (trainer) impl(trainer)->detach_bubble_driver();
   delete impl(trainer);
   return BB_OK;
 }

@@ -23,15 +23,30 @@ constexpr size_t kFirstStreamTimingOptions = sizeof(bb_stream_timing_options_t);
 struct bb_stream_timing {
   bb_trainer_h trainer = nullptr;
   bool driving = false;  // holds the trainer's claim_bubble_driver()
-  std::unique_ptr<bb::core::StreamTiming> impl;
+  std::unique_ptr<bb::core::StreamTiming> impl;  // null once its trainer was closed
   ~bb_stream_timing() {
     impl.reset();  // its watcher's last bubble end comes first
     if (driving) bb::capi::impl(trainer)->release_bubble_driver();
+  }
+  // The trainer closes (bb_trainer_close) with this timing still open: the watcher ends the
+  // bubble it opened and stops, the events go, and the handle only waits to be closed.
+  static void trainer_closing(void* self) {
+    auto* t = static_cast<bb_stream_timing*>(self);
+    t->impl.reset();
+    t->driving = false;
+    t->trainer = nullptr;
   }
 };
 
 using bb::core::fail;
 using bb::core::fail_msg;
+
+namespace {
+bb_status trainer_closed() {
+  return fail(BB_E_STATE, "the trainer of this stream timing was closed (which stopped the "
+              "timing): close the timing too, with bb_stream_timing_close");
+}
+}  // namespace
 
 extern "C" {
 
@@ -60,7 +75,7 @@ BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_tim
   try {
     auto h = std::make_unique<bb_stream_timing>();
     h->trainer = trainer;
-    if (!impl(trainer)->claim_bubble_driver())
+    if (!impl(trainer)->claim_bubble_driver(h.get(), &bb_stream_timing::trainer_closing))
       return fail(BB_E_BUSY, "this trainer already has a stream timing open, whose watcher "
                   "thread is its bubble thread: close that one first (one per trainer)");
     h->driving = true;
@@ -96,32 +111,30 @@ BB_API bb_status bb_bubble_begin_on_stream(bb_stream_timing_h timing, void* stre
                                            uint64_t expected_ns, uint64_t free_mem,
                                            bb_bubble_kind kind, uint64_t* mark) {
   if (!timing) return fail(BB_E_INVALID, "timing is NULL: open it with bb_stream_timing_open");
+  if (!timing->impl) return trainer_closed();
   if (uint32_t(kind) >= BB_BUBBLE_KIND_COUNT_)
     return fail(BB_E_INVALID, "kind %d is not a bb_bubble_kind", int(kind));
-  std::string error;
-  const bb_status st = timing->impl->mark_begin(stream, expected_ns,
-                                                free_mem, kind, mark, &error);
-  return st == BB_OK ? BB_OK : fail_msg(st, error);
+  // Bounded time and no allocation, failures too: the sentence goes straight to the last error.
+  return timing->impl->mark_begin(stream, expected_ns, free_mem, kind, mark);
 }
 
 BB_API bb_status bb_bubble_end_on_stream(bb_stream_timing_h timing, void* stream, uint64_t* mark) {
   if (!timing) return fail(BB_E_INVALID, "timing is NULL: open it with bb_stream_timing_open");
-  std::string error;
-  const bb_status st = timing->impl->mark_end(stream, mark, &error);
-  return st == BB_OK ? BB_OK : fail_msg(st, error);
+  if (!timing->impl) return trainer_closed();
+  return timing->impl->mark_end(stream, mark);
 }
 
 BB_API bb_status bb_trainer_iteration_on_stream(bb_stream_timing_h timing, void* stream,
                                                 uint64_t* mark) {
   if (!timing) return fail(BB_E_INVALID, "timing is NULL: open it with bb_stream_timing_open");
-  std::string error;
-  const bb_status st = timing->impl->mark_iteration(stream, mark, &error);
-  return st == BB_OK ? BB_OK : fail_msg(st, error);
+  if (!timing->impl) return trainer_closed();
+  return timing->impl->mark_iteration(stream, mark);
 }
 
 BB_API bb_status bb_stream_timing_event_handle(bb_stream_timing_h timing, uint64_t mark,
                                                unsigned char handle[64]) {
   if (!timing || !handle) return fail(BB_E_INVALID, "timing and handle must not be NULL");
+  if (!timing->impl) return trainer_closed();
   std::string error;
   const bb_status st = timing->impl->ipc_handle(mark, handle, &error);
   return st == BB_OK ? BB_OK : fail_msg(st, error);
@@ -133,6 +146,7 @@ BB_API bb_status bb_stream_timing_stats(bb_stream_timing_h timing, bb_stream_tim
   if (out->size < sizeof(uint32_t) * 2)
     return fail(BB_E_INVALID, "out->size is %u: set it to sizeof(bb_stream_timing_stats_t)",
                 out->size);
+  if (!timing->impl) return trainer_closed();
   const bb::core::StreamTimingStats s = timing->impl->stats();
   bb_stream_timing_stats_t v{};
   v.size = sizeof v;

@@ -37,10 +37,12 @@ bb_status cuda_status(CUresult rc) {
   }
 }
 
+const char* CudaDriver::error_name(CUresult rc) const { return bb::core::error_name(this, rc); }
+
 std::string CudaDriver::describe(const char* what, CUresult rc) const {
   std::string out = what;
   out += " failed: ";
-  out += error_name(this, rc);
+  out += bb::core::error_name(this, rc);
   const char* s = nullptr;
   if (GetErrorString && GetErrorString(rc, &s) == CUDA_SUCCESS && s) {
     out += " (";

@@ -79,6 +79,8 @@ struct CudaDriver {
 
   // "cuMemCreate failed: CUDA_ERROR_OUT_OF_MEMORY (out of memory)".
   std::string describe(const char* what, CUresult rc) const;
+  // The error's name ("CUDA_ERROR_INVALID_HANDLE"), without allocating: for bounded-time paths.
+  const char* error_name(CUresult rc) const;
 };
 
 // The process's driver: loaded from $BUBBLE_CUDA_DRIVER or libcuda.so.1 on the first call, once,

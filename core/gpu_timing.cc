@@ -12,6 +12,7 @@
 
 #include "core/clock.h"
 #include "core/cuda_driver.h"
+#include "core/error.h"
 #include "core/thread.h"
 #include "shm/futex.h"
 
@@ -51,9 +52,9 @@ class StreamTimingImpl final : public StreamTiming {
   // Call them from one thread at a time, with the stream's context current. *mark (may be
   // null) receives the mark's number. BB_E_FULL when `marks` are already in flight.
   bb_status mark_begin(void* stream, uint64_t expected_ns, uint64_t free_mem,
-                       bb_bubble_kind kind, uint64_t* mark, std::string* error) override;
-  bb_status mark_end(void* stream, uint64_t* mark, std::string* error) override;
-  bb_status mark_iteration(void* stream, uint64_t* mark, std::string* error) override;
+                       bb_bubble_kind kind, uint64_t* mark) override;
+  bb_status mark_end(void* stream, uint64_t* mark) override;
+  bb_status mark_iteration(void* stream, uint64_t* mark) override;
 
   // The IPC handle of the event that carries mark number `mark`; valid while that mark is one
   // of the last `marks` recorded (the event is reused after that).
@@ -73,7 +74,7 @@ class StreamTimingImpl final : public StreamTiming {
   StreamTimingImpl(const CudaDriver& drv, const CudaEventApi& api, const StreamTimingOptions& o,
                    Sink sink)
       : drv_(drv), api_(api), opts_(o), sink_(std::move(sink)) {}
-  bb_status push(void* stream, const Mark& m, uint64_t* mark, std::string* error);
+  bb_status push(void* stream, const Mark& m, uint64_t* mark);
   void watch();
   void apply(const Mark& m);
 
@@ -188,7 +189,7 @@ StreamTimingImpl::~StreamTimingImpl() {
   }
 }
 
-bb_status StreamTimingImpl::push(void* stream, const Mark& m, uint64_t* mark, std::string* error) {
+bb_status StreamTimingImpl::push(void* stream, const Mark& m, uint64_t* mark) {
   const uint64_t t = tail_.load(std::memory_order_relaxed);
   // A begin is taken only with room for its end as well, and nothing else takes the room kept
   // for the end of an open one: a begin applied with its end refused would leave the bubble open
@@ -196,9 +197,8 @@ bb_status StreamTimingImpl::push(void* stream, const Mark& m, uint64_t* mark, st
   const uint64_t need = m.type == kEnd ? 1 : m.type == kBegin || host_open_ ? 2 : 1;
   if (t - head_.load(std::memory_order_acquire) + need > ring_.size()) {
     dropped_.fetch_add(1, std::memory_order_relaxed);
-    *error = "the GPU is " + std::to_string(ring_.size()) + " bubble marks behind this thread: "
-             "the mark was dropped; raise marks in the stream-timing options";
-    return BB_E_FULL;
+    return fail(BB_E_FULL, "the GPU is %zu bubble marks behind this thread: the mark was "
+                "dropped; raise marks in the stream-timing options", ring_.size());
   }
   // Recorded on a stream being captured into a CUDA graph, the event would become a node of the
   // graph, reached when the graph runs, never as a mark of this stream: the watcher would wait
@@ -208,28 +208,25 @@ bb_status StreamTimingImpl::push(void* stream, const Mark& m, uint64_t* mark, st
   // invalidate that capture.
   CUstreamCaptureStatus capture = CU_STREAM_CAPTURE_STATUS_NONE;
   const CUresult qrc = api_.StreamIsCapturing(static_cast<CUstream>(stream), &capture);
-  if (qrc != CUDA_SUCCESS) {
-    *error = drv_.describe("cuStreamIsCapturing on the trainer's stream", qrc) +
-             (qrc == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
-                  ? ": another stream is being captured into a CUDA graph, and a mark on the "
-                    "legacy default stream would break that capture; mark the bubble outside "
-                    "the capture, or on a stream of its own"
-                  : ": pass a live stream of the device given to the stream timing");
-    return qrc == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT ? BB_E_STATE : cuda_status(qrc);
-  }
-  if (capture != CU_STREAM_CAPTURE_STATUS_NONE) {
-    *error = "the stream is being captured into a CUDA graph, where a bubble mark is never "
-             "reached as such: mark the bubble outside the capture (around the graph's launch)";
-    return BB_E_STATE;
-  }
+  if (qrc == CUDA_ERROR_STREAM_CAPTURE_IMPLICIT)
+    return fail(BB_E_STATE, "cuStreamIsCapturing on the trainer's stream failed: %s: another "
+                "stream is being captured into a CUDA graph, and a mark on the legacy default "
+                "stream would break that capture; mark the bubble outside the capture, or on a "
+                "stream of its own", drv_.error_name(qrc));
+  if (qrc != CUDA_SUCCESS)
+    return fail(cuda_status(qrc), "cuStreamIsCapturing on the trainer's stream failed: %s: pass "
+                "a live stream of the device given to the stream timing, from a thread where "
+                "its context is current", drv_.error_name(qrc));
+  if (capture != CU_STREAM_CAPTURE_STATUS_NONE)
+    return fail(BB_E_STATE, "the stream is being captured into a CUDA graph, where a bubble "
+                "mark is never reached as such: mark the bubble outside the capture (around the "
+                "graph's launch)");
   const size_t slot = size_t(t % ring_.size());
   const CUresult rc = api_.EventRecord(events_[slot], static_cast<CUstream>(stream));
-  if (rc != CUDA_SUCCESS) {
-    *error = drv_.describe("cuEventRecord on the trainer's stream", rc) +
-             ": pass a stream of the device given to the stream timing, from a thread where its "
-             "context is current";
-    return cuda_status(rc);
-  }
+  if (rc != CUDA_SUCCESS)
+    return fail(cuda_status(rc), "cuEventRecord on the trainer's stream failed: %s: pass a "
+                "stream of the device given to the stream timing, from a thread where its "
+                "context is current", drv_.error_name(rc));
   ring_[slot] = m;
   ring_[slot].recorded_ns = now_ns();
   if (m.type == kBegin) host_open_ = true;
@@ -246,25 +243,25 @@ bb_status StreamTimingImpl::push(void* stream, const Mark& m, uint64_t* mark, st
 }
 
 bb_status StreamTimingImpl::mark_begin(void* stream, uint64_t expected_ns, uint64_t free_mem,
-                                   bb_bubble_kind kind, uint64_t* mark, std::string* error) {
+                                   bb_bubble_kind kind, uint64_t* mark) {
   Mark m;
   m.type = kBegin;
   m.kind = uint32_t(kind);
   m.expected_ns = expected_ns;
   m.free_mem = free_mem;
-  return push(stream, m, mark, error);
+  return push(stream, m, mark);
 }
 
-bb_status StreamTimingImpl::mark_end(void* stream, uint64_t* mark, std::string* error) {
+bb_status StreamTimingImpl::mark_end(void* stream, uint64_t* mark) {
   Mark m;
   m.type = kEnd;
-  return push(stream, m, mark, error);
+  return push(stream, m, mark);
 }
 
-bb_status StreamTimingImpl::mark_iteration(void* stream, uint64_t* mark, std::string* error) {
+bb_status StreamTimingImpl::mark_iteration(void* stream, uint64_t* mark) {
   Mark m;
   m.type = kIteration;
-  return push(stream, m, mark, error);
+  return push(stream, m, mark);
 }
 
 bb_status StreamTimingImpl::ipc_handle(uint64_t mark, unsigned char out[64],

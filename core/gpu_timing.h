@@ -63,15 +63,17 @@ class StreamTiming {
   // Stops the watcher (a bubble it opened is ended) and destroys the events.
   virtual ~StreamTiming() = default;
 
-  // The training thread's calls: one cuEventRecord and a ring push, at most one futex wake.
-  // Call them from one thread at a time, with the stream's context current. *mark (may be
-  // null) receives the mark's number. BB_E_FULL when `marks` are already in flight.
+  // The training thread's calls: one cuEventRecord and a ring push, at most one futex wake;
+  // bounded time, no allocation, on the error paths too: a failure's sentence goes to the
+  // thread's last error (core::fail). Call them from one thread at a time, with the stream's
+  // context current. *mark (may be null) receives the mark's number. BB_E_FULL when `marks`
+  // are already in flight.
   virtual bb_status mark_begin(void* stream, uint64_t expected_ns, uint64_t free_mem,
-                               bb_bubble_kind kind, uint64_t* mark, std::string* error) = 0;
-  virtual bb_status mark_end(void* stream, uint64_t* mark, std::string* error) = 0;
+                               bb_bubble_kind kind, uint64_t* mark) = 0;
+  virtual bb_status mark_end(void* stream, uint64_t* mark) = 0;
   // A training iteration starts when the GPU gets here (the watcher is the bubble thread, so it
   // is the one to number bubbles from here on).
-  virtual bb_status mark_iteration(void* stream, uint64_t* mark, std::string* error) = 0;
+  virtual bb_status mark_iteration(void* stream, uint64_t* mark) = 0;
 
   // The CUipcEventHandle of the event that carries mark number `mark`; valid while that mark is
   // one of the last `marks` recorded (the event is reused after that).

@@ -7,6 +7,7 @@
 #include <linux/membarrier.h>
 #include <sys/eventfd.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -164,6 +165,9 @@ constexpr int kMaxAcceptsPerLoop = 64;
 // ... and a refused peer's queued requests for at most this many reads: a request is one
 // message, and a peer that queued more gets a reset instead of an answer.
 constexpr int kMaxRefusedReads = 4;
+// With no descriptor to accept into (and none in reserve), the listening socket is left alone
+// this long, rather than polled readable again and again.
+constexpr uint64_t kAcceptPauseNs = 100'000'000;
 // getsockopt(SO_PEERPIDFD), Linux 6.5 and later (older C headers lack the name).
 #ifdef SO_PEERPIDFD
 constexpr int kSoPeerPidfd = SO_PEERPIDFD;
@@ -317,6 +321,7 @@ bb_status Trainer::init(const char* job_id, uint32_t rank, const bb_trainer_opti
                 std::strerror(errno));
   wake_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_fd_) return fail(BB_E_SYSTEM, "eventfd() failed: %s", std::strerror(errno));
+  spare_fd_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));  // none: pauses instead
   try {
     service_ = start_library_thread("bb-hub", [this] { serve(); });
   } catch (const std::exception& e) {
@@ -796,7 +801,9 @@ void Trainer::serve() {
     who.clear();
     pfds.push_back({wake_fd_.get(), POLLIN, 0});
     who.push_back(-1);
-    pfds.push_back({listen_fd_.get(), POLLIN, 0});
+    // Left out (-1 is ignored) while accepting is paused for want of a descriptor.
+    const bool accepting = now_ns() >= accept_paused_until_ns_;
+    pfds.push_back({accepting ? listen_fd_.get() : -1, POLLIN, 0});
     who.push_back(-2);
     bool any_task = false, any_hello = false;
     for (size_t k = 0; k < conns_.size(); ++k) {
@@ -821,6 +828,8 @@ void Trainer::serve() {
     // drains: look again sooner, so its reports find room.
     const uint64_t tick = reports_busy_ ? kServiceBusyTickNs : kServiceTickNs;
     int timeout_ms = any_task || any_hello || !doomed_.empty() ? int(tick / 1000000) : -1;
+    if (!accepting) timeout_ms = timeout_ms < 0 ? int(kAcceptPauseNs / 1000000)
+                                                : std::min(timeout_ms, int(kAcceptPauseNs / 1000000));
     // A revoke's deadline is kept to the millisecond, not to the next tick.
     if (const uint64_t d = next_grant_deadline()) {
       const uint64_t now = now_ns();
@@ -916,10 +925,60 @@ void Trainer::task_message(Conn& c) {
   }
 }
 
+namespace {
+
+// Answers a connection it will not take with the reason, unread. Closing with its request still
+// queued would reset the connection, and the peer would read ECONNRESET instead of the answer:
+// shut our side first (a later send gets EPIPE) and drop what came before.
+void refuse_unread(int fd, bb_status status, const char* why) {
+  ::shutdown(fd, SHUT_RD);
+  bool drained = false;
+  for (int k = 0; k < kMaxRefusedReads && !drained; ++k) {
+    alignas(8) char buf[shm::kWireMaxMessage];
+    int fds[2], nfds;
+    const long n = shm::recv_msg(fd, buf, fds, &nfds, MSG_DONTWAIT, close_elsewhere);
+    close_elsewhere(fds, size_t(nfds));
+    drained = n <= 0 && n != -EMSGSIZE && n != -EMFILE;  // one out of bounds was consumed too
+  }
+  if (!drained) return;  // more than a request: closed, which the peer reads as a reset
+  auto r = shm::make_msg<shm::AttachReplyMsg>(shm::MsgType::kAttachReply);
+  r.status = status;
+  std::snprintf(r.error, sizeof r.error, "%s", why);
+  shm::send_msg(fd, &r, sizeof r, nullptr, 0);
+}
+
+}  // namespace
+
 void Trainer::accept_all() {
   for (int accepted = 0; accepted < kMaxAcceptsPerLoop; ++accepted) {
     int fd = accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
-    if (fd < 0) return;
+    if (fd < 0 && (errno == EMFILE || errno == ENFILE)) {
+      // At the descriptor limit the connection would stay in the backlog, the socket readable,
+      // and this thread polling it in a loop while the peer waits for nothing. The descriptor
+      // in reserve takes it, to say why it is refused; without one, accepting pauses.
+      if (spare_fd_) {
+        spare_fd_.reset();
+        fd = accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (fd >= 0) {
+          rlimit rl{};
+          char why[192];
+          std::snprintf(why, sizeof why, "the trainer is at its limit of open descriptors "
+                        "(RLIMIT_NOFILE %llu) and cannot take a connection: raise its limit "
+                        "(ulimit -n), or detach tasks",
+                        getrlimit(RLIMIT_NOFILE, &rl) == 0 ? (unsigned long long)rl.rlim_cur : 0ull);
+          refuse_unread(fd, BB_E_SYSTEM, why);
+          ::close(fd);
+        }
+        spare_fd_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+        if (fd >= 0 && spare_fd_) continue;
+      }
+      accept_paused_until_ns_ = now_ns() + kAcceptPauseNs;
+      return;
+    }
+    if (fd < 0) {
+      if (errno == ENOMEM || errno == ENOBUFS) accept_paused_until_ns_ = now_ns() + kAcceptPauseNs;
+      return;
+    }
     auto c = std::make_unique<Conn>();
     c->fd.reset(fd);
     ucred cred{};
@@ -930,24 +989,10 @@ void Trainer::accept_all() {
     size_t peers = 0;
     for (const auto& p : conns_) peers += p && p->kind != Conn::kTask;
     if (peers >= kMaxPeers) {
-      // Refused unread. Closing with its request still queued would reset the connection, and
-      // the peer would read ECONNRESET instead of the answer: shut our side first (a later send
-      // gets EPIPE) and drop what came before.
-      ::shutdown(fd, SHUT_RD);
-      bool drained = false;
-      for (int k = 0; k < kMaxRefusedReads && !drained; ++k) {
-        alignas(8) char buf[shm::kWireMaxMessage];
-        int fds[2], nfds;
-        const long n = shm::recv_msg(fd, buf, fds, &nfds, MSG_DONTWAIT, close_elsewhere);
-        close_elsewhere(fds, size_t(nfds));
-        drained = n <= 0 && n != -EMSGSIZE;  // a message out of bounds was consumed too
-      }
-      if (!drained) continue;  // more than a request: closed, which the peer reads as a reset
-      auto r = shm::make_msg<shm::AttachReplyMsg>(shm::MsgType::kAttachReply);
-      r.status = BB_E_FULL;
-      std::snprintf(r.error, sizeof r.error, "the hub has %zu connections that hold no task slot "
+      char why[160];
+      std::snprintf(why, sizeof why, "the hub has %zu connections that hold no task slot "
                     "(attaching or observing): close some and retry", peers);
-      shm::send_msg(fd, &r, sizeof r, nullptr, 0);
+      refuse_unread(fd, BB_E_FULL, why);
       continue;
     }
     // The uid is checked when the peer's request has arrived (handle_hello), so the refusal
@@ -1084,6 +1129,14 @@ void Trainer::attach_task(Conn& c, const void* raw) {
       fd = -1;
       if (errno == ENOPROTOOPT) {  // a kernel without it: the pid, which may have been reused
         ps = shm::pidfd_open_pid(cred.pid, &fd, &why);
+      } else if (errno == EMFILE || errno == ENFILE || errno == ENOMEM) {  // the trainer's lack
+        ps = BB_E_SYSTEM;
+        rlimit rl{};
+        why = std::string("the trainer cannot open a descriptor for it: ") + std::strerror(errno) +
+              (errno == EMFILE && getrlimit(RLIMIT_NOFILE, &rl) == 0
+                   ? " (RLIMIT_NOFILE " + std::to_string(rl.rlim_cur) + "; raise it with "
+                     "ulimit -n, or detach tasks)"
+                   : std::string());
       } else {  // the kernel knows the peer and cannot name it: it has exited
         ps = BB_E_NOT_FOUND;
         why = std::string("it has exited (") + std::strerror(errno) + ")";
@@ -1094,6 +1147,9 @@ void Trainer::attach_task(Conn& c, const void* raw) {
       ps = BB_E_NOT_FOUND;
       why = "it has exited";
     }
+    // The trainer's own failure (out of descriptors or memory) is said as such; any other
+    // means the process that connected is not there to watch.
+    if (ps == BB_E_SYSTEM) return reject(ps, "cannot watch the process that connected: " + why);
     if (ps != BB_OK)
       return reject(ps == BB_E_UNSUPPORTED ? ps : BB_E_PERMISSION,
                     "cannot watch the process that connected (" + why +
@@ -1218,9 +1274,15 @@ void Trainer::handle_observer_request(Conn& c) {
   std::memcpy(&q, buf, sizeof q);
   const uint64_t id = uint64_t(q.slot) | uint64_t(q.generation) << 32;
   int fd = -1;
-  if (stop) {
+  const bool own_uid = c.uid == uint32_t(geteuid()) || c.uid == 0;
+  if (stop && !own_uid) {
+    // Other uids (allow_uid) watch: a stop from one would let any task of that uid stop every
+    // task on the hub.
+    r.status = fail(BB_E_PERMISSION, "stops come only from the trainer's own uid (and root), "
+                    "not from uid %u, which may only watch this hub", c.uid);
+  } else if (stop) {
     r.status = stop_slot(id);
-  } else if (c.uid != uint32_t(geteuid()) && c.uid != 0) {
+  } else if (!own_uid) {
     // The page's descriptor can write (its task writes it): across uids it would let the
     // allow_uid user write any task's acks, grant words and reports. Within one uid a process
     // can reach the trainer's descriptors through /proc anyway.

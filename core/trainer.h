@@ -45,9 +45,24 @@ class Trainer {
   bb_status set_schedule(const bb_schedule_t& schedule);
 
   // A thread of the library's that takes over as the bubble thread (bb_stream_timing_open's
-  // watcher): one at a time, or two would call begin and end at once. Any thread.
-  bool claim_bubble_driver() { return !driven_.exchange(true, std::memory_order_acq_rel); }
-  void release_bubble_driver() { driven_.store(false, std::memory_order_release); }
+  // watcher): one at a time, or two would call begin and end at once. Any thread. `stop`, called
+  // with `owner` by detach_bubble_driver(), stops that thread for good: a trainer closed while
+  // its driver is open stops it first, so it never calls into the freed trainer.
+  bool claim_bubble_driver(void* owner, void (*stop)(void*)) {
+    if (driven_.exchange(true, std::memory_order_acq_rel)) return false;
+    driver_owner_ = owner;
+    driver_stop_ = stop;
+    return true;
+  }
+  void release_bubble_driver() {
+    driver_owner_ = nullptr;
+    driver_stop_ = nullptr;
+    driven_.store(false, std::memory_order_release);
+  }
+  // bb_trainer_close: stops the driver thread, if one is open (never with another call).
+  void detach_bubble_driver() {
+    if (driven_.load(std::memory_order_acquire) && driver_stop_) driver_stop_(driver_owner_);
+  }
 
   // Any thread.
   void stats(bb_trainer_stats_t* out);
@@ -139,12 +154,18 @@ class Trainer {
   bb_trainer_options_t opts_{};
   std::string socket_path_, lock_path_;
   shm::Fd lock_fd_, listen_fd_, hub_fd_, wake_fd_;
+  // A descriptor kept in reserve (/dev/null): at the process's descriptor limit, closed to
+  // accept a connection and refuse it with the reason, then taken back (accept_all).
+  shm::Fd spare_fd_;
+  uint64_t accept_paused_until_ns_ = 0;  // service thread: no accept before (no spare to use)
   shm::Mapping hub_map_;
   shm::HubView hub_;
 
   std::unique_ptr<Slot[]> slots_;
   std::atomic<uint64_t> slots_changed_{0};
   std::atomic<bool> driven_{false};  // claim_bubble_driver()
+  void* driver_owner_ = nullptr;
+  void (*driver_stop_)(void*) = nullptr;
 
   // Bubble thread only. The scalars every bubble reads come first, on one or two cache lines
   // (a trainer computes between bubbles, so the path often starts with cold caches).

@@ -9,7 +9,9 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
+#include <new>
 #include <string>
 #include <thread>
 
@@ -128,6 +130,37 @@ struct Timing {
 
 }  // namespace
 
+// Allocations made by this thread while `counting` (operator new is this program's: the
+// library's calls come here too): the mark calls must make none, on their error paths too.
+namespace {
+thread_local bool t_counting = false;
+thread_local int t_allocations = 0;
+}  // namespace
+
+// malloc and free behind new and delete, as the default ones have them.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+void* operator new(size_t n) {
+  if (t_counting) ++t_allocations;
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, size_t) noexcept { std::free(p); }
+#pragma GCC diagnostic pop
+
+namespace {
+// The allocations f makes on this thread.
+template <typename F>
+int allocations_of(F&& f) {
+  t_allocations = 0;
+  t_counting = true;
+  f();
+  t_counting = false;
+  return t_allocations;
+}
+}  // namespace
+
 TEST_CASE("stream_bubble_starts_the_task_when_the_gpu_reaches_it_not_when_the_host_calls") {
   Double dbl;
   RuntimeDir rt;
@@ -201,9 +234,14 @@ TEST_CASE("stream_marks_never_wait_for_a_gpu_that_lags_behind") {
                                       nullptr) == BB_OK);
     REQUIRE(bb_bubble_end_on_stream(timing.h, kStream, nullptr) == BB_OK);
   }
-  // Four marks in flight: the fifth is refused at once, with the reason, not waited for.
-  CHECK(bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
-                                  nullptr) == BB_E_FULL);
+  // Four marks in flight: the fifth is refused at once, with the reason, not waited for, and
+  // without allocating (a training thread's call, whatever it returns).
+  bb_status st = BB_OK;
+  CHECK(allocations_of([&] {
+          st = bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                         nullptr);
+        }) == 0);
+  CHECK(st == BB_E_FULL);
   CHECK(std::string(bb_last_error()).find("marks behind") != std::string::npos);
   dbl.progress(kStream, -1);
   CHECK(eventually([&] { return timing.stats().ends == 2; }));
@@ -214,6 +252,36 @@ TEST_CASE("stream_marks_never_wait_for_a_gpu_that_lags_behind") {
                                   nullptr) == BB_OK);
 }
 
+TEST_CASE("a_trainer_closed_with_its_stream_timing_open_stops_the_timing_first") {
+  // The watcher calls bb_bubble_begin and _end on the trainer: closed first, the trainer was
+  // freed under it, and the timing's close released the claim on freed memory.
+  Double dbl;
+  RuntimeDir rt;
+  bb_trainer_h trainer = nullptr;
+  REQUIRE(bb_trainer_open(("st-order-" + std::to_string(getpid())).c_str(), 0, nullptr,
+                          &trainer) == BB_OK);
+  bb_stream_timing_h timing = nullptr;
+  REQUIRE(bb_stream_timing_open(trainer, nullptr, &timing) == BB_OK);
+  REQUIRE(bb_bubble_begin_on_stream(timing, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                    nullptr) == BB_OK);
+  REQUIRE(bb_bubble_end_on_stream(timing, kStream, nullptr) == BB_OK);
+  const int threads_open = int(bbtest::list_dir("/proc/self/task").size());
+  CHECK(bb_trainer_close(trainer) == BB_OK);
+  // The watcher is gone with the trainer's own threads, and the GPU reaching the marks now
+  // reaches nobody.
+  CHECK(int(bbtest::list_dir("/proc/self/task").size()) < threads_open);
+  dbl.progress(kStream, -1);
+  CHECK(bb_bubble_begin_on_stream(timing, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                  nullptr) == BB_E_STATE);
+  CHECK(std::string(bb_last_error()).find("bb_stream_timing_close") != std::string::npos);
+  bb_stream_timing_stats_t st{sizeof st};
+  CHECK(bb_stream_timing_stats(timing, &st) == BB_E_STATE);
+  CHECK(bb_stream_timing_close(timing) == BB_OK);
+  bbdouble_counts c{};
+  dbl.outstanding(&c);
+  CHECK(c.events == 0);
+}
+
 TEST_CASE("stream_timing_keeps_out_of_cuda_graph_captures") {
   Double dbl;
   RuntimeDir rt;
@@ -222,8 +290,19 @@ TEST_CASE("stream_timing_keeps_out_of_cuda_graph_captures") {
   void* const captured = reinterpret_cast<void*>(0x6a7a);
   dbl.capture(captured, 1);
   // A mark on a stream being captured would be a node of the graph, never reached as a mark.
-  CHECK(bb_bubble_begin_on_stream(timing.h, captured, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
-                                  nullptr) == BB_E_STATE);
+  // Refused without allocating, as every mark call returns: none beyond those of the double's
+  // own capture query (it logs every call), which the real driver, a C library, does not make.
+  auto is_capturing = reinterpret_cast<CUresult (*)(CUstream, CUstreamCaptureStatus*)>(
+      dlsym(dbl.lib, "cuStreamIsCapturing"));
+  REQUIRE(bool(is_capturing));
+  CUstreamCaptureStatus cs{};
+  const int query = allocations_of([&] { is_capturing(static_cast<CUstream>(captured), &cs); });
+  bb_status st = BB_OK;
+  CHECK(allocations_of([&] {
+          st = bb_bubble_begin_on_stream(timing.h, captured, 0, BB_MEM_UNKNOWN,
+                                         BB_BUBBLE_STEADY, nullptr);
+        }) == query);
+  CHECK(st == BB_E_STATE);
   CHECK(std::string(bb_last_error()).find("CUDA graph") != std::string::npos);
   CHECK(dbl.pending(captured) == 0);
   // Nor on the legacy default stream meanwhile: the driver's capture query fails there, and a
@@ -257,12 +336,12 @@ TEST_CASE("an_iteration_marked_on_a_stream_starts_when_the_gpu_gets_there") {
   std::unique_ptr<bb::core::StreamTiming> t;
   std::string err;
   REQUIRE(bb::core::StreamTiming::open(so, sink, &t, &err) == BB_OK);
-  REQUIRE(t->mark_iteration(kStream, nullptr, &err) == BB_OK);
-  REQUIRE(t->mark_begin(kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY, nullptr, &err) == BB_OK);
-  REQUIRE(t->mark_iteration(kStream, nullptr, &err) == BB_OK);
+  REQUIRE(t->mark_iteration(kStream, nullptr) == BB_OK);
+  REQUIRE(t->mark_begin(kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY, nullptr) == BB_OK);
+  REQUIRE(t->mark_iteration(kStream, nullptr) == BB_OK);
   // One slot left, kept for the open bubble's end: no other mark takes it.
-  CHECK(t->mark_iteration(kStream, nullptr, &err) == BB_E_FULL);
-  REQUIRE(t->mark_end(kStream, nullptr, &err) == BB_OK);
+  CHECK(t->mark_iteration(kStream, nullptr) == BB_E_FULL);
+  REQUIRE(t->mark_end(kStream, nullptr) == BB_OK);
   REQUIRE(dbl.watcher_polled());
   CHECK(iterations.load() == 0);  // the GPU is not there yet
   dbl.progress(kStream, 1);

@@ -85,7 +85,9 @@ int main() {
   cudaStreamSynchronize(s);
   bb_stream_timing_stats_t st{};
   st.size = sizeof st;
-  bb_stream_timing_stats(timing, &st);
+  // The watcher counts an end after the trainer has applied it, which the observer may see
+  // first: the count is waited for too.
+  eventually([&] { bb_stream_timing_stats(timing, &st); return st.ends >= 1; });
   std::printf("marks=%llu begins=%llu ends=%llu lag_max=%llu us\n", (unsigned long long)st.marks,
               (unsigned long long)st.begins, (unsigned long long)st.ends,
               (unsigned long long)(st.lag_max_ns / 1000));

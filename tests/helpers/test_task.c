@@ -58,6 +58,7 @@
 
 #include <signal.h>
 #include <dirent.h>
+#include <fcntl.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -150,7 +151,7 @@ static void on_alarm(int sig) { (void)sig; }
 /* Lowers the descriptor limit so that exactly `room` more descriptors can be opened: the
  * limit bounds descriptor numbers, and a new one takes the lowest free number. */
 static int limit_fds(long room) {
-  const int lowest_free = dup(0);
+  const int lowest_free = open("/dev/null", O_RDONLY | O_CLOEXEC);
   if (lowest_free < 0) return -1;
   close(lowest_free);
   struct rlimit rl;

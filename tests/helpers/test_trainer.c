@@ -21,6 +21,9 @@
  * Every bb_bubble_begin / bb_bubble_end that does not return BB_OK is counted, never retried.
  * --uid N (started as root): runs as uid and gid N from before it opens the hub, so it cannot
  * signal tasks that run as root.
+ * --fd-room N: once the awaited tasks are attached, lowers RLIMIT_NOFILE so that exactly N more
+ * descriptors can be opened (the limit bounds descriptor numbers, and a new one takes the lowest
+ * free number), and prints "LIMITED".
  * --nofile N: once the awaited tasks are attached, lowers RLIMIT_NOFILE to N (below the
  * descriptors the hub service polls, so its poll fails with EINVAL) and prints "LIMITED".
  * --no-robust-list: threads started from then on cannot register a robust futex list
@@ -31,6 +34,7 @@
 #include <bubble/bubble.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <grp.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
@@ -150,7 +154,7 @@ int main(int argc, char **argv) {
     fprintf(stderr, "usage: %s JOB RANK [--bubble-us N] [--gap-us N] [--max-slots N] "
                     "[--free-mem N] [--lend BACKEND[:BYTES]] [--lend-device N] [--await-tasks N] "
                     "[--commands] "
-                    "[--uid N] [--nofile N] [--no-robust-list]\n",
+                    "[--uid N] [--nofile N] [--fd-room N] [--no-robust-list]\n",
             argv[0]);
     return 64;
   }
@@ -158,7 +162,7 @@ int main(int argc, char **argv) {
   const char *lend = NULL;
   int lend_device = 0;
   uint32_t await_tasks = 0;
-  long uid = -1, nofile = -1;
+  long uid = -1, nofile = -1, fd_room = -1;
   bb_trainer_options_t opts;
   bb_trainer_options_init(&opts);
   for (int i = 3; i < argc; ++i) {
@@ -173,6 +177,7 @@ int main(int argc, char **argv) {
     else if (!strcmp(a, "--await-tasks")) await_tasks = (uint32_t)atoi(v), ++i;
     else if (!strcmp(a, "--uid")) uid = atol(v), ++i;
     else if (!strcmp(a, "--nofile")) nofile = atol(v), ++i;
+    else if (!strcmp(a, "--fd-room")) fd_room = atol(v), ++i;
     else if (!strcmp(a, "--no-robust-list")) {
       if (deny_robust_lists() != 0) {
         perror("--no-robust-list: seccomp");
@@ -227,6 +232,11 @@ int main(int argc, char **argv) {
     bb_trainer_stats(trainer, &stats);
     if (stats.tasks_attached >= await_tasks || stop_flag) break;
     sleep_us(1000);
+  }
+  if (fd_room >= 0) {
+    const int lowest_free = open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (lowest_free >= 0) close(lowest_free);
+    nofile = lowest_free < 0 ? 0 : lowest_free + fd_room;
   }
   if (nofile >= 0) {
     struct rlimit rl;

@@ -442,6 +442,31 @@ TEST_CASE("a_task_at_its_descriptor_limit_is_told_so_when_it_attaches") {
   CHECK(eventually([&] { return t.stats().tasks_attached == 0; }));
 }
 
+TEST_CASE("a_trainer_at_its_descriptor_limit_refuses_a_connection_with_the_reason") {
+  // With no descriptor left, the connection stayed in the backlog, the socket readable, and the
+  // hub's thread polling it in a loop; the task heard nothing for 5 s (BB_E_TIMEOUT). With one
+  // left, the attach failed as if the task had exited (BB_E_PERMISSION).
+  RuntimeDir dir;
+  for (const char* room : {"0", "1"}) {
+    CAPTURE(room);
+    const std::string job = std::string("fdlimit") + room;
+    Child trainer({trainer_bin(), job, "0", "--fd-room", room});
+    REQUIRE(trainer.wait_line("LIMITED") != "");
+    for (int k = 0; k < 2; ++k) {  // and again: nothing of the first is left in the way
+      Child task(task_args(job, "w", "imperative"));
+      const std::string result = task.wait_line("RESULT", 4000);
+      CAPTURE(result);
+      CHECK(result.rfind("RESULT BB_E_SYSTEM ", 0) == 0);
+      CHECK(result.find("RLIMIT_NOFILE") != std::string::npos);
+      CHECK(result.find("exited") == std::string::npos);
+      CHECK(task.wait_exit() != -1);
+    }
+    trainer.signal(SIGTERM);
+    CHECK(trainer.wait_line("CLOSED") == "CLOSED BB_OK");
+    CHECK(trainer.wait_exit() == 0);
+  }
+}
+
 TEST_CASE("trainer_killed_task_exits_by_default") {
   RuntimeDir dir;
   Child trainer({trainer_bin(), "tk", "0"});

@@ -4,6 +4,7 @@
 //   bb_security_probe attach-raw SOCKET                  a task's attach at the wire level
 //   bb_security_probe observe-raw SOCKET                 an observer's attach at the wire level
 //   bb_security_probe page-raw SOCKET SLOT GENERATION    an observer asking for a task's page
+//   bb_security_probe stop-raw SOCKET SLOT GENERATION    an observer asking a task to stop
 //   bb_security_probe open PATH                          open(PATH, O_RDONLY)
 //
 // Prints one line: "RESULT <outcome> <detail>", where outcome is a bb_status name, "fds=<n>"
@@ -85,9 +86,9 @@ int wire(const char* path, bool task) {
   return 0;
 }
 
-// Attaches as an observer and asks for the page of the task in slot/generation; says whether a
-// descriptor came and whether it maps writable.
-int page(const char* path, uint32_t slot, uint32_t generation) {
+// Attaches as an observer and asks for the page of the task in slot/generation (or, with stop,
+// for it to stop); says whether a descriptor came and whether it maps writable.
+int page(const char* path, uint32_t slot, uint32_t generation, bool stop = false) {
   const int fd = connect_to(path);
   if (fd < 0) return result_errno("connect");
   auto m = bb::shm::make_msg<bb::shm::AttachObserverMsg>(bb::shm::MsgType::kAttachObserver);
@@ -98,7 +99,8 @@ int page(const char* path, uint32_t slot, uint32_t generation) {
   for (int i = 0; i < nfds; ++i) close(fds[i]);
   if (!bb::shm::check_msg(buf, n, bb::shm::MsgType::kAttachReply, sizeof(bb::shm::AttachReplyMsg)))
     return std::printf("RESULT no-attach-reply\n"), 0;
-  auto q = bb::shm::make_msg<bb::shm::SlotRequestMsg>(bb::shm::MsgType::kGetTaskPage);
+  auto q = bb::shm::make_msg<bb::shm::SlotRequestMsg>(stop ? bb::shm::MsgType::kStopTask
+                                                           : bb::shm::MsgType::kGetTaskPage);
   q.slot = slot;
   q.generation = generation;
   if (bb::shm::send_msg(fd, &q, sizeof q, nullptr, 0) != 0) return result_errno("send");
@@ -139,9 +141,9 @@ int main(int argc, char** argv) {
   }
   if ((cmd == "attach-raw" || cmd == "observe-raw") && argc == 3)
     return wire(argv[2], cmd == "attach-raw");
-  if (cmd == "page-raw" && argc == 5)
+  if ((cmd == "page-raw" || cmd == "stop-raw") && argc == 5)
     return page(argv[2], uint32_t(std::strtoul(argv[3], nullptr, 10)),
-                uint32_t(std::strtoul(argv[4], nullptr, 10)));
+                uint32_t(std::strtoul(argv[4], nullptr, 10)), cmd == "stop-raw");
   if (cmd == "open" && argc == 3) {
     const int fd = open(argv[2], O_RDONLY | O_CLOEXEC);
     if (fd < 0) return result_errno("open");
@@ -152,6 +154,7 @@ int main(int argc, char** argv) {
     return 0;
   }
   std::fprintf(stderr, "usage: %s attach-api DIR JOB RANK | attach-raw SOCK | observe-raw SOCK | "
-               "page-raw SOCK SLOT GENERATION | open PATH\n", argv[0]);
+               "page-raw SOCK SLOT GENERATION | stop-raw SOCK SLOT GENERATION | open PATH\n",
+               argv[0]);
   return 64;
 }

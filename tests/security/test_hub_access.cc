@@ -189,6 +189,34 @@ TEST_CASE("another_uid_is_refused_by_the_trainer_even_when_the_socket_is_opened_
   bb_task_detach(t);
 }
 
+// A task of the trainer's own uid, attached to hub, and the probe's arguments that name its slot
+// to `probe_cmd` (page-raw, stop-raw). Detached when it goes.
+struct Victim {
+  bb_task_h task = nullptr;
+  std::vector<std::string> args;
+  Victim(Hub& hub, const char* job, const char* probe_cmd) {
+    REQUIRE(bb_task_attach(job, 0, "victim", nullptr, &task) == BB_OK);
+    REQUIRE(bbtest::eventually([&] { return hub.attached() == 1; }));
+    bb_task_info_t info{sizeof info};
+    size_t count = 0;
+    REQUIRE(bb_trainer_tasks(hub.h, &info, 1, &count) == BB_OK);
+    REQUIRE(count == 1);
+    args = {probe_cmd, hub.sock, std::to_string(info.id & 0xffffffffu),
+            std::to_string(info.id >> 32)};
+  }
+  ~Victim() { bb_task_detach(task); }
+  // The probe's line, run as the allowed uid, and as the trainer's own (root here).
+  std::string by_guest() const { return as_nobody(args); }
+  std::string by_owner() const {
+    Child owner({reachable_probe(), args[0], args[1], args[2], args[3]});
+    const std::string line = owner.wait_line("RESULT", 20000);
+    owner.wait_exit(10000);
+    return line;
+  }
+  Victim(const Victim&) = delete;
+  Victim& operator=(const Victim&) = delete;
+};
+
 TEST_CASE("allow_uid_admits_that_uid_and_no_other") {
   if (!root()) return;
   RuntimeDir dir;
@@ -207,24 +235,31 @@ TEST_CASE("an_allowed_uid_gets_no_task_page_it_could_write") {
   RuntimeDir dir;
   Hub hub(dir, "pages", kNobody);
   open_up(dir, hub.sock);
-  bb_task_h t = nullptr;
-  REQUIRE(bb_task_attach("pages", 0, "victim", nullptr, &t) == BB_OK);
-  REQUIRE(bbtest::eventually([&] { return hub.attached() == 1; }));
-  bb_task_info_t info{sizeof info};
-  size_t count = 0;
-  REQUIRE(bb_trainer_tasks(hub.h, &info, 1, &count) == BB_OK);
-  REQUIRE(count == 1);
-  const std::vector<std::string> args = {"page-raw", hub.sock, std::to_string(info.id & 0xffffffffu),
-                                         std::to_string(info.id >> 32)};
-  const std::string guest = as_nobody(args);
+  Victim v(hub, "pages", "page-raw");
+  const std::string guest = v.by_guest();
   CHECK_MESSAGE(has(guest, "RESULT BB_E_PERMISSION fds=0"), guest);
   CHECK_MESSAGE(has(guest, "task pages go only to the trainer's own uid"), guest);
   // The owner (root here) still gets it, as the agent does.
-  Child owner({reachable_probe(), "page-raw", hub.sock, args[2], args[3]});
-  const std::string own = owner.wait_line("RESULT", 20000);
-  owner.wait_exit(10000);
+  const std::string own = v.by_owner();
   CHECK_MESSAGE(has(own, "RESULT BB_OK fds=1"), own);
-  bb_task_detach(t);
+}
+
+TEST_CASE("an_allowed_uid_cannot_stop_the_trainers_tasks") {
+  // Watching is what allow_uid admits: a stop from that uid would let one of its tasks stop
+  // every task on the hub (the agent refuses its cancel for the same reason).
+  if (!root()) return;
+  RuntimeDir dir;
+  Hub hub(dir, "stops", kNobody);
+  open_up(dir, hub.sock);
+  Victim v(hub, "stops", "stop-raw");
+  const std::string guest = v.by_guest();
+  CHECK_MESSAGE(has(guest, "RESULT BB_E_PERMISSION"), guest);
+  CHECK_MESSAGE(has(guest, "stops come only from the trainer's own uid"), guest);
+  CHECK(bb_task_wait_start(v.task, 0, nullptr) == BB_E_TIMEOUT);  // not told to stop
+  // The owner (root here) still may, as the agent's cancel does.
+  const std::string own = v.by_owner();
+  CHECK_MESSAGE(has(own, "RESULT BB_OK"), own);
+  CHECK(bbtest::eventually([&] { return bb_task_wait_start(v.task, 0, nullptr) == BB_E_STOPPED; }));
 }
 
 TEST_CASE("another_uid_cannot_open_the_trainers_memory_through_proc") {

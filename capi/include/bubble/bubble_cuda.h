@@ -51,7 +51,9 @@ BB_API void bb_stream_timing_options_init_sized(bb_stream_timing_options_t *opts
  * trainer yourself while it is open, nor the other calls bubble.h reserves to the bubble thread:
  * mark iterations with bb_trainer_iteration_on_stream, and call bb_trainer_set_schedule before
  * opening. One per trainer: a second open gives BB_E_BUSY until the first is closed. opts may be
- * NULL. Close it before bb_trainer_close. */
+ * NULL. Close it before bb_trainer_close; a trainer closed with its timing still open stops the
+ * timing first (its watcher ends the bubble it opened), after which the timing's calls give
+ * BB_E_STATE, and the handle must still be closed. */
 BB_API bb_status bb_stream_timing_open(bb_trainer_h trainer, const bb_stream_timing_options_t *opts,
                                        bb_stream_timing_h *out);
 /* Stops the watcher (ending a bubble it opened; marks the GPU has not reached are dropped) and
