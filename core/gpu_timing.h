@@ -29,7 +29,7 @@
 namespace bb::core {
 
 struct StreamTimingOptions {
-  int device = 0;
+  int device = -1;          // -1: the device of the calling thread's current context, else 0
   uint32_t marks = 64;      // marks in flight (recorded, not yet reached by the GPU); 2..4096
   uint64_t poll_ns = 10000; // watcher's poll interval while a mark is pending
 };

@@ -51,6 +51,7 @@ struct CUevent_st {
   EventShared* sh;
   bool imported;
   uint64_t serial;
+  CUcontext ctx;  // current when it was made: as the driver has it, it records only there
 };
 
 namespace {
@@ -1038,7 +1039,8 @@ bool valid_event(CUevent e) { return e && st().events.count(e) && e->magic == kE
 CUevent new_event(int memfd, unsigned flags, bool imported, uint64_t serial) {
   void* p = mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, memfd, 0);
   if (p == MAP_FAILED) return nullptr;
-  auto* e = new CUevent_st{kEventMagic, flags, memfd, static_cast<EventShared*>(p), imported, serial};
+  auto* e = new CUevent_st{kEventMagic, flags,    memfd,      static_cast<EventShared*>(p),
+                           imported,    serial,   current_ctx};
   st().events.insert(e);
   return e;
 }
@@ -1070,6 +1072,10 @@ CUresult CUDAAPI cuEventRecord(CUevent e, CUstream stream) {
   c.arg("stream", reinterpret_cast<uintptr_t>(stream));
   if (c.need_ctx()) return c.violation(CUDA_ERROR_INVALID_CONTEXT, "no current context");
   if (!valid_event(e)) return c.violation(CUDA_ERROR_INVALID_HANDLE, "not a live event");
+  // The driver records an event only on a stream of the event's context. The double's streams
+  // are the caller's pointers, taken to be of the context current on the recording thread.
+  if (e->ctx != current_ctx)
+    return c.violation(CUDA_ERROR_INVALID_HANDLE, "an event of another context than the stream's");
   // Work on the legacy stream synchronises with every blocking stream: while one is captured,
   // the driver refuses it and invalidates that capture.
   if (is_legacy(stream) && any_capture()) {

@@ -42,6 +42,7 @@ struct Double {
 
   Double() {
     setenv("BUBBLE_CUDA_DRIVER", BUBBLE_CUDA_DOUBLE_PATH, 1);
+    setenv("BUBBLE_CUDA_DOUBLE_DEVICES", "2", 1);  // a node's GPUs, as every rank sees them
     std::string err;
     const bb::core::CudaDriver* drv = bb::core::cuda_driver(&err);
     INFO(err);
@@ -112,10 +113,12 @@ void* const kStream = reinterpret_cast<void*>(0x5157);  // the trainer's CUstrea
 
 struct Timing {
   bb_stream_timing_h h = nullptr;
-  explicit Timing(bb_trainer_h t, uint32_t marks = 64) {
+  // device -2: the options' default
+  explicit Timing(bb_trainer_h t, uint32_t marks = 64, int device = -2) {
     bb_stream_timing_options_t o;
     bb_stream_timing_options_init(&o);
     o.marks = marks;
+    if (device != -2) o.device = device;
     const bb_status st = bb_stream_timing_open(t, &o, &h);
     INFO(bb_last_error());
     REQUIRE(st == BB_OK);
@@ -280,6 +283,40 @@ TEST_CASE("a_trainer_closed_with_its_stream_timing_open_stops_the_timing_first")
   bbdouble_counts c{};
   dbl.outstanding(&c);
   CHECK(c.events == 0);
+}
+
+TEST_CASE("stream_timing_makes_its_events_on_the_device_its_thread_made_current") {
+  // Each rank of a job that sees every GPU of its node makes its own current (set_device) and
+  // runs its stream there. Events made on GPU 0, as the options' old default had it, record on
+  // no stream of another GPU: every mark of ranks 1..N failed.
+  Double dbl;
+  RuntimeDir rt;
+  Hub hub(rt, ("st-dev-" + std::to_string(getpid())).c_str());
+  std::string err;
+  const bb::core::CudaDriver* drv = bb::core::cuda_driver(&err);
+  REQUIRE(drv);
+  REQUIRE(drv->device_count == 2);
+  bb::core::CudaPrimaryContext second;
+  REQUIRE(second.retain(*drv, 1, &err) == BB_OK);
+  {
+    bb::core::CudaContextScope on_gpu1(*drv, second.get());
+    {
+      Timing timing(hub.trainer);  // the default: the current device
+      CHECK(bb_bubble_begin_on_stream(timing.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                      nullptr) == BB_OK);
+      CHECK(bb_bubble_end_on_stream(timing.h, kStream, nullptr) == BB_OK);
+      dbl.progress(kStream, -1);
+      CHECK(eventually([&] { return timing.stats().ends == 1; }));
+    }
+    // Told another device than the stream's, the mark is refused with the call and the fix.
+    Timing wrong(hub.trainer, 64, 0);
+    CHECK(bb_bubble_begin_on_stream(wrong.h, kStream, 0, BB_MEM_UNKNOWN, BB_BUBBLE_STEADY,
+                                    nullptr) != BB_OK);
+    const std::string why = bb_last_error();
+    CHECK_MESSAGE(why.find("cuEventRecord") != std::string::npos, why);
+    CHECK_MESSAGE(why.find("device given to the stream timing") != std::string::npos, why);
+  }
+  CHECK(hub.bubbles() == 1);
 }
 
 TEST_CASE("stream_timing_keeps_out_of_cuda_graph_captures") {

@@ -31,15 +31,21 @@ extern "C" {
 
 typedef struct bb_stream_timing *bb_stream_timing_h;
 
+/* The device of the CUDA context current on the thread that opens the stream timing (the one
+ * cudaSetDevice made current), else 0. */
+#define BB_STREAM_TIMING_CURRENT_DEVICE (-1)
+
 typedef struct bb_stream_timing_options_t {
   uint32_t size;    /* sizeof(bb_stream_timing_options_t) */
-  int32_t device;   /* CUDA device ordinal of the trainer's stream; default 0 */
+  int32_t device;   /* CUDA device ordinal of the trainer's stream (its events must be on that
+                       device); default BB_STREAM_TIMING_CURRENT_DEVICE */
   uint32_t marks;   /* marks the GPU may lag behind the host, 2..4096; default 64 */
   uint32_t reserved0_;
   uint64_t poll_ns; /* watcher's poll interval while a mark is pending; default 10000 */
 } bb_stream_timing_options_t;
 
-#define BB_STREAM_TIMING_OPTIONS_INIT {sizeof(bb_stream_timing_options_t), 0, 64u, 0u, 10000ull}
+#define BB_STREAM_TIMING_OPTIONS_INIT \
+  {sizeof(bb_stream_timing_options_t), BB_STREAM_TIMING_CURRENT_DEVICE, 64u, 0u, 10000ull}
 /* Writes exactly `size` bytes, as the *_init_sized functions of bubble.h do. */
 BB_API void bb_stream_timing_options_init_sized(bb_stream_timing_options_t *opts, size_t size);
 #define bb_stream_timing_options_init(opts) \
