@@ -257,6 +257,10 @@ bb_status HubObserver::open(const std::string& runtime_dir, const std::string& j
     if (errno == EAGAIN || errno == EWOULDBLOCK)
       return set(fail(BB_E_TIMEOUT, "the trainer of hub %s.%u is not accepting connections "
                       "(its backlog is full: stopped or hung?)", job.c_str(), rank));
+    if (errno == EACCES || errno == EPERM)
+      return set(fail(BB_E_PERMISSION, "no permission to connect to hub socket %s: observe it as "
+                      "the trainer's user (or one its trainer allows, with its runtime directory "
+                      "opened to it)", path.c_str()));
     return set(fail(BB_E_NOT_FOUND, "no trainer serves hub %s.%u at %s", job.c_str(), rank,
                     path.c_str()));
   }

@@ -235,11 +235,12 @@ def test_unlend_takes_the_grant_back_and_lend_may_lend_again(job):
 
 
 def test_a_grant_looked_up_while_unlend_waits_gives_no_view_of_the_range_going(job):
-    revoking, go = threading.Event(), threading.Event()
+    mapped, revoking, go = threading.Event(), threading.Event(), threading.Event()
 
     def task_side() -> str:
         with bubble.Task(job, 0, "slow-ack", mem_need=GRANT) as task:
             assert eventually(lambda: task.grant() is not None)
+            mapped.set()  # revoked before it maps it, a task gives its grant back unasked
             # Holds the grant until the trainer, blocked in unlend, has looked it up.
             assert eventually(lambda: (g := task.grant()) is not None and g.revoking)
             revoking.set()
@@ -251,7 +252,7 @@ def test_a_grant_looked_up_while_unlend_waits_gives_no_view_of_the_range_going(j
         trainer.lend(LENT)
         runner = Background(task_side)
         task = only_task(trainer)
-        assert eventually(lambda: trainer.task_grant(task) is not None)
+        assert mapped.wait(20)
         before = trainer.task_grant(task)
         view = before.memory()
         unlender = Background(lambda: trainer.unlend(timeout=30))
