@@ -205,6 +205,11 @@ size_t GrantLender::overdue(uint64_t now_ns, uint64_t* ids, size_t cap) const {
   return n;
 }
 
+namespace {
+// read()'s hand-over between two pieces yields this many times at most.
+constexpr int kMaxHandOverYields = 1000;
+}  // namespace
+
 std::unique_lock<std::mutex> GrantLender::lock() const {
   waiting_.fetch_add(1);
   std::unique_lock<std::mutex> held(mu_);
@@ -256,7 +261,10 @@ bb_status GrantLender::read(uint64_t grant_id, uint64_t offset, void* dst, uint6
   for (uint64_t done = 0; done < bytes;) {
     if (done != 0) {
       held.unlock();
-      while (waiting_.load() != 0) std::this_thread::yield();
+      // Bounded: a waiter held up behind a third thread (a long grant clear) is not waited for
+      // with a spinning CPU; the lock's own queue takes over.
+      for (int k = 0; k < kMaxHandOverYields && waiting_.load() != 0; ++k)
+        std::this_thread::yield();
       held.lock();
       const Record* again = find_locked(grant_id);
       if (!again || again->state == GrantState::kQuarantined) {

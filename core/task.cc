@@ -28,8 +28,10 @@ constexpr int64_t kLivenessSliceNs = 100'000'000;
 constexpr uint64_t kMinSpinNs = 1'000;
 constexpr uint64_t kMaxWaitOptionNs = 1'000'000'000;  // wake_lead_ns and spin_ns
 constexpr uint64_t kReattachPollNs = 50'000'000;
-// How long an attach waits for a trainer to take the connection and answer.
+// How long an attach waits for a trainer to take the connection and answer; a re-attach's try
+// waits at least kMinAnswerNs (see reattach).
 constexpr uint64_t kAnswerTimeoutNs = 5'000'000'000;
+constexpr uint64_t kMinAnswerNs = 250'000'000;
 
 // A number the node agent put in a task's environment (see Task::attach). Absent or empty:
 // *found = false. Otherwise it must be a whole number in [lo, hi] (unsigned when lo == 0).
@@ -310,12 +312,21 @@ bb_status Task::reattach(uint64_t wait_until) {
                                                                    : now + opts_.reattach_timeout_ns;
   }
   for (;;) {
-    const bb_status st = connect(std::min(reattach_until_, wait_until));
+    // A try waits for an answer until the re-attach timeout, and at least kMinAnswerNs even
+    // when the wait's own timeout is shorter: a try given up early would still have cost the
+    // new trainer a slot for a moment, and one that answers a little slowly would never be
+    // waited for at all.
+    const uint64_t started = now_ns();
+    const uint64_t answer_by =
+        std::min(reattach_until_, std::max(wait_until, started + std::min(kMinAnswerNs,
+                                                                           UINT64_MAX - started)));
+    const bb_status st = connect(answer_by);
     // Not there yet, gone again, too busy to take us (BB_E_FULL: its slots, or its
-    // connections), or not answering (BB_E_TIMEOUT: a trainer that is stopped, hung, or whose
-    // backlog is full): tried again until the timeout.
+    // connections), not answering (BB_E_TIMEOUT: a trainer that is stopped, hung, or whose
+    // backlog is full), or short of descriptors or memory, its or ours (BB_E_SYSTEM): tried
+    // again until the timeout.
     if (st == BB_OK || (st != BB_E_NOT_FOUND && st != BB_E_TRAINER_GONE && st != BB_E_FULL &&
-                        st != BB_E_TIMEOUT)) {
+                        st != BB_E_TIMEOUT && st != BB_E_SYSTEM)) {
       reattach_until_ = 0;
       return st;
     }
@@ -326,6 +337,10 @@ bb_status Task::reattach(uint64_t wait_until) {
       if (st == BB_E_FULL)
         return fail_msg(BB_E_FULL, "the new trainer of hub " + job_ + "." + std::to_string(rank_) +
                         " had no room for this task within " + std::to_string(ms) + " ms: " +
+                        last_error());
+      if (st == BB_E_SYSTEM)
+        return fail_msg(BB_E_SYSTEM, "could not attach again to hub " + job_ + "." +
+                        std::to_string(rank_) + " within " + std::to_string(ms) + " ms: " +
                         last_error());
       if (st == BB_E_TIMEOUT)
         return fail_msg(BB_E_TRAINER_GONE, "the trainer of hub " + job_ + "." +

@@ -950,6 +950,9 @@ void refuse_unread(int fd, bb_status status, const char* why) {
 }  // namespace
 
 void Trainer::accept_all() {
+  // Lost to another thread of the process when it was last used (the number it freed taken
+  // before it could be opened again): taken back as soon as a number is free.
+  if (!spare_fd_) spare_fd_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
   for (int accepted = 0; accepted < kMaxAcceptsPerLoop; ++accepted) {
     int fd = accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0 && (errno == EMFILE || errno == ENFILE)) {

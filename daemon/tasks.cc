@@ -283,6 +283,16 @@ uint64_t Agent::log_kept_from(int64_t id, bool err) const {
   return it == log_kept_from_.end() ? 0 : it->second;
 }
 
+namespace {
+// Why a task being stopped is placed again, from its row's message ("stopping: its hub is
+// draining" or "... went away"), for an agent that restarted meanwhile; "" if it does not say.
+std::string replace_reason(const TaskRow& row) {
+  if (row.message.find("draining") != std::string::npos) return "hub " + row.hub + " drained";
+  if (row.message.find("went away") != std::string::npos) return "hub " + row.hub + " went away";
+  return "";
+}
+}  // namespace
+
 std::string Agent::log_path(int64_t id, bool err) const {
   return cfg_.state_dir + "/logs/" + std::to_string(id) + (err ? ".err" : ".out");
 }
@@ -946,6 +956,7 @@ std::string Agent::readopt_tasks() {
         LiveTask* lt = live(id);
         if (lt) lt->cancel = row.message.find("cancel") != std::string::npos;
         if (lt) lt->replace = !lt->cancel;
+        if (lt && lt->replace) lt->replace_why = replace_reason(row);
         // The stop goes on for the reason it was asked for: the message is what the next agent
         // reads it from (a cancel must stay a cancel however many restarts come).
         const std::string prefix = "stopping: ";
@@ -1021,6 +1032,7 @@ void Agent::settle_dead_tasks() {
     lt->replace = row.state == "stopping" && !lt->cancel &&
                   row.message.find("stop requested before the agent restarted") ==
                       std::string::npos;
+    if (lt->replace) lt->replace_why = replace_reason(row);
     LiveTask* raw = lt.get();
     live_[id] = std::move(lt);
     on_task_exit(raw, st);

@@ -64,7 +64,8 @@ class GrantInfo:
         zeros, and a later grant there is another task's. Trainer.unlend() and close() unmap
         the whole lent range: they release the views taken here, so touching one afterwards
         raises ValueError (slices and arrays made from a view are not tracked: drop them
-        first). Trainer.read_grant() copies the bytes out instead, and refuses once the grant
+        first; nor is a GrantInfo made by hand or by dataclasses.replace, whose views are
+        plain). Trainer.read_grant() copies the bytes out instead, and refuses once the grant
         is released."""
         if self.backend != GrantBackend.HOST:
             raise TypeError(f"grant {self.id} is device memory ({self.backend!r}): copy it "
@@ -162,8 +163,10 @@ class ViewScope:
         if self._closed:
             raise ValueError(self._gone)
         mv = _host_view(address, size)
-        if len(self._views) >= 64:
-            self._views = [r for r in self._views if r() is not None]
+        if len(self._views) >= 64:  # forget the dropped ones, in place: another thread may append
+            for dead in [r for r in self._views if r() is None]:
+                with contextlib.suppress(ValueError):
+                    self._views.remove(dead)
         self._views.append(weakref.ref(mv))
         # Checked again after the append: a close() on another thread between the first check
         # and the append would not have seen this view.

@@ -93,7 +93,8 @@ class Trainer:
         # Views of the lent memory (GrantInfo.memory), released before it is unmapped: closed
         # for the whole of an unlend, and for good once the trainer closes.
         self._lent_views = ViewScope(ViewScope.LENT_GONE)
-        self._views_lock = threading.Lock()
+        # Reentrant: close() from a signal handler may interrupt this thread inside it.
+        self._views_lock = threading.RLock()
         self._views_final = False
         opts = _lib.TrainerOptions()
         lib.bb_trainer_options_init_sized(ctypes.byref(opts), ctypes.sizeof(opts))
@@ -261,9 +262,11 @@ class Trainer:
         fresh = ViewScope(ViewScope.LENT_GONE)
         with self._views_lock:
             self._views_final = self._views_final or final
+            old, self._lent_views = self._lent_views, fresh
+            # Decided after the swap: a close() that interrupted this (a signal handler on this
+            # thread) and made the views final leaves no usable scope behind it.
             if not usable or self._views_final:
                 fresh.close()
-            old, self._lent_views = self._lent_views, fresh
         old.close()
 
     def grant(self, task: int | TaskInfo, size: int | None = None) -> int:
