@@ -198,13 +198,17 @@ class Agent {
   // "BUBBLE_LAUNCH=..." for one launch (attempt) of one task of this state directory: given
   // to the task, it finds the task's descendants wherever they went, and nobody else's.
   std::string launch_mark(int64_t id, uint32_t attempt) const;
-  void signal_task(const TaskRow& row, int sig);
+  // False only when the process cannot be signalled (EPERM: it runs as another user than the
+  // agent's); a process gone, or one the agent never signals, counts as done.
+  bool signal_task(const TaskRow& row, int sig);
   // A self-attached task whose pid is a trainer's (it runs on a thread of a trainer process).
   bool in_trainer_process(const TaskRow& row) const;
   // Ends as lost the rows of tasks that attached by themselves to `hub`, unless it is open.
   void end_attached_rows(const std::string& hub, const std::string& why);
   // Continues a task that enforcement stopped, records why, and saves it as running.
   void continue_stopped(TaskRow* row, const std::string& hub, const std::string& why);
+  // Enforcement found a task it may not signal (EPERM): says so once, and leaves it alone.
+  void unsignalable(TaskRow* row, EnforceState* st, Hub* hub, int32_t pid);
   void record(const TaskRow* row, pid_t pid, const std::string& hub, const std::string& action,
               const std::string& detail);
   // Writes the row; a failed write (disk full, the database locked) is logged and tried again

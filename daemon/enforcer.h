@@ -29,6 +29,7 @@ struct EnforceState {
   uint32_t violations = 0;
   bool marked_bad = false;       // the trainer found its slot corrupt; recorded once
   bool in_trainer_noted = false; // a task inside its trainer's process: its violation recorded
+  bool unsignalable = false;     // a signal to it failed (EPERM: another user's): recorded, left
 };
 
 enum class Verdict { kNone, kStop, kContinue, kKill };

@@ -612,7 +612,7 @@ void Agent::enforce_hub(Hub* hub, uint64_t now) {
     // A task being stopped has the stop's own escalation (its timer ends in SIGKILL): stopping it
     // again would only delay that, and "running" would hide the stop from an agent restarted
     // before it is gone.
-    if (row.state == "stopping") continue;
+    if (row.state == "stopping" || st.unsignalable) continue;
     Verdict v = enforce_step(cfg_.enforce, &st, moment, {t.pause_requested_ns, t.pause_acked_ns, t.started},
                              now);
     if (v == Verdict::kNone) continue;
@@ -641,7 +641,10 @@ void Agent::enforce_hub(Hub* hub, uint64_t now) {
                  static_cast<double>(cfg_.enforce.grace_ns) / 1e6,
                  static_cast<unsigned long long>(hub->snap.bubble_seq), st.violations,
                  cfg_.enforce.kill_after);
-        signal_task(row, SIGSTOP);
+        if (!signal_task(row, SIGSTOP)) {
+          unsignalable(&row, &st, hub, t.pid);
+          continue;
+        }
         row.state = "stopped";
         row.message = "stopped for not pausing: continued at its hub's next bubble";
         break;
@@ -654,9 +657,12 @@ void Agent::enforce_hub(Hub* hub, uint64_t now) {
       case Verdict::kKill: {
         snprintf(detail, sizeof detail, "pause not acked %u times (limit %u)", st.violations,
                  cfg_.enforce.kill_after);
+        if (!signal_task(row, SIGKILL)) {
+          unsignalable(&row, &st, hub, t.pid);
+          continue;
+        }
         LiveTask* lt = live(row.id);
         if (lt) lt->killed_by_agent = true;
-        signal_task(row, SIGKILL);
         if (row.origin == "attached") {
           row.signal = SIGKILL;
           finish_row(&row, "killed", detail);
@@ -670,6 +676,19 @@ void Agent::enforce_hub(Hub* hub, uint64_t now) {
     record(&row, row.origin == "attached" ? row.pid : t.pid, hub->name, verdict_name(v), detail);
     save(row);
   }
+}
+
+void Agent::unsignalable(TaskRow* row, EnforceState* st, Hub* hub, int32_t pid) {
+  // Not stopped, nor killed, whatever the verdict: recorded once, and enforced no more (its
+  // trainer still pauses it; only the agent's signals cannot reach it).
+  st->unsignalable = true;
+  row->violations = std::max(row->violations, st->violations);
+  row->message = "ignores pauses, but runs as another user than the agent's: not signalled";
+  record(row, row->origin == "attached" ? row->pid : pid, hub->name, "unenforced",
+         "pause not acked within the grace period; the agent may not signal pid " +
+             std::to_string(row->pid) + " (EPERM: another user's process): run the agent as "
+             "root or as the task's user to enforce it");
+  save(*row);
 }
 
 void Agent::update_timers() {

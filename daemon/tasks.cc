@@ -645,21 +645,18 @@ bool Agent::in_trainer_process(const TaskRow& row) const {
   return false;
 }
 
-void Agent::signal_task(const TaskRow& row, int sig) {
-  if (row.pid <= 0) return;
+bool Agent::signal_task(const TaskRow& row, int sig) {
+  if (row.pid <= 0) return true;
   // Never signal a process that merely reuses the pid.
-  if (row.pid_start && !same_process(row.pid, row.pid_start)) return;
+  if (row.pid_start && !same_process(row.pid, row.pid_start)) return true;
   // Nor a trainer: a task attached from a thread of a trainer has that trainer's pid.
   if (in_trainer_process(row)) {
     agent_log("task #%lld runs inside its trainer's process (pid %d): not sent %s",
               static_cast<long long>(row.id), row.pid, strsignal(sig));
-    return;
+    return true;
   }
-  if (row.origin == "attached") {
-    kill(row.pid, sig);
-  } else {
-    kill(-row.pid, sig);
-  }
+  const int rc = row.origin == "attached" ? kill(row.pid, sig) : kill(-row.pid, sig);
+  return rc == 0 || errno != EPERM;
 }
 
 void Agent::continue_stopped(TaskRow* row, const std::string& hub, const std::string& why) {
