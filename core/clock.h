@@ -8,6 +8,13 @@
 
 namespace bb::core {
 
+// a + b, or UINT64_MAX where it would wrap: deadlines "at the end of time", and sums of
+// amounts a peer states.
+inline uint64_t add_sat(uint64_t a, uint64_t b) {
+  uint64_t r;
+  return __builtin_add_overflow(a, b, &r) ? UINT64_MAX : r;
+}
+
 inline uint64_t now_ns() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);

@@ -39,6 +39,15 @@ bb_status cuda_status(CUresult rc) {
 
 const char* CudaDriver::error_name(CUresult rc) const { return bb::core::error_name(this, rc); }
 
+bool CudaDriver::current_device(int* device) const {
+  CUcontext ctx = nullptr;
+  CUdevice dev = -1;
+  if (CtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) return false;
+  if (CtxGetDevice(&dev) != CUDA_SUCCESS || dev < 0) return false;
+  *device = int(dev);
+  return true;
+}
+
 std::string CudaDriver::describe(const char* what, CUresult rc) const {
   std::string out = what;
   out += " failed: ";

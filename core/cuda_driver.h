@@ -81,6 +81,9 @@ struct CudaDriver {
   std::string describe(const char* what, CUresult rc) const;
   // The error's name ("CUDA_ERROR_INVALID_HANDLE"), without allocating: for bounded-time paths.
   const char* error_name(CUresult rc) const;
+  // The ordinal of the device whose context is current on the calling thread (the one
+  // cudaSetDevice made current); false when no context is current.
+  bool current_device(int* device) const;
 };
 
 // The process's driver: loaded from $BUBBLE_CUDA_DRIVER or libcuda.so.1 on the first call, once,

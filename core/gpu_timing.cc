@@ -351,11 +351,7 @@ bb_status StreamTiming::open(const StreamTimingOptions& opts, Sink sink,
     // The trainer's stream is on the device its thread made current (cudaSetDevice, as each
     // rank of a job that sees every GPU of its node does); its events must be on that device,
     // or every record on the stream fails.
-    CUcontext ctx = nullptr;
-    CUdevice dev = -1;
-    const bool current = drv->CtxGetCurrent(&ctx) == CUDA_SUCCESS && ctx &&
-                         drv->CtxGetDevice(&dev) == CUDA_SUCCESS && dev >= 0;
-    o.device = current ? int(dev) : 0;
+    if (!drv->current_device(&o.device)) o.device = 0;
   }
   return StreamTimingImpl::create(*drv, o, std::move(sink), out, error);
 }

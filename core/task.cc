@@ -307,19 +307,16 @@ bb_status Task::reattach(uint64_t wait_until) {
     return fail(BB_E_TRAINER_GONE, "the trainer of hub %s.%u closed its hub or exited",
                 job_.c_str(), rank_);
   if (reattach_until_ == 0) {
-    const uint64_t now = now_ns();  // UINT64_MAX (say) waits for good rather than wrapping
-    reattach_until_ = opts_.reattach_timeout_ns > UINT64_MAX - now ? UINT64_MAX
-                                                                   : now + opts_.reattach_timeout_ns;
+    // UINT64_MAX (say) waits for good rather than wrapping
+    reattach_until_ = add_sat(now_ns(), opts_.reattach_timeout_ns);
   }
   for (;;) {
     // A try waits for an answer until the re-attach timeout, and at least kMinAnswerNs even
     // when the wait's own timeout is shorter: a try given up early would still have cost the
     // new trainer a slot for a moment, and one that answers a little slowly would never be
     // waited for at all.
-    const uint64_t started = now_ns();
     const uint64_t answer_by =
-        std::min(reattach_until_, std::max(wait_until, started + std::min(kMinAnswerNs,
-                                                                           UINT64_MAX - started)));
+        std::min(reattach_until_, std::max(wait_until, add_sat(now_ns(), kMinAnswerNs)));
     const bb_status st = connect(answer_by);
     // Not there yet, gone again, too busy to take us (BB_E_FULL: its slots, or its
     // connections), not answering (BB_E_TIMEOUT: a trainer that is stopped, hung, or whose

@@ -145,10 +145,6 @@ constexpr uint64_t kHelloTimeoutNs = 2'000'000'000ull;
 
 // A time plus a length that a caller may make as long as it likes (UINT64_MAX: "no end"): it
 // stays at the end of time rather than wrap into the past.
-inline uint64_t add_sat(uint64_t a, uint64_t b) {
-  uint64_t r;
-  return __builtin_add_overflow(a, b, &r) ? UINT64_MAX : r;
-}
 // Wakes a task that may sleep on its page's wake word, after its doorbell was bumped. The bump
 // of the word (release) is what the task's futex wait compares, and carries the doorbell's
 // change to a task that reads it (shm/layout.h, TaskPage::wake). Only the task and the trainer
@@ -321,7 +317,7 @@ bb_status Trainer::init(const char* job_id, uint32_t rank, const bb_trainer_opti
                 std::strerror(errno));
   wake_fd_.reset(eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
   if (!wake_fd_) return fail(BB_E_SYSTEM, "eventfd() failed: %s", std::strerror(errno));
-  spare_fd_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));  // none: pauses instead
+  reserve_spare_fd();  // none: accepting pauses instead (accept_all)
   try {
     service_ = start_library_thread("bb-hub", [this] { serve(); });
   } catch (const std::exception& e) {
@@ -949,10 +945,12 @@ void refuse_unread(int fd, bb_status status, const char* why) {
 
 }  // namespace
 
+void Trainer::reserve_spare_fd() { spare_fd_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC)); }
+
 void Trainer::accept_all() {
   // Lost to another thread of the process when it was last used (the number it freed taken
   // before it could be opened again): taken back as soon as a number is free.
-  if (!spare_fd_) spare_fd_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (!spare_fd_) reserve_spare_fd();
   for (int accepted = 0; accepted < kMaxAcceptsPerLoop; ++accepted) {
     int fd = accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0 && (errno == EMFILE || errno == ENFILE)) {
@@ -963,16 +961,13 @@ void Trainer::accept_all() {
         spare_fd_.reset();
         fd = accept4(listen_fd_.get(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
         if (fd >= 0) {
-          rlimit rl{};
-          char why[192];
-          std::snprintf(why, sizeof why, "the trainer is at its limit of open descriptors "
-                        "(RLIMIT_NOFILE %llu) and cannot take a connection: raise its limit "
-                        "(ulimit -n), or detach tasks",
-                        getrlimit(RLIMIT_NOFILE, &rl) == 0 ? (unsigned long long)rl.rlim_cur : 0ull);
-          refuse_unread(fd, BB_E_SYSTEM, why);
+          const std::string why = "the trainer is at its limit of open descriptors" +
+                                  shm::fd_limit_note() +
+                                  " and cannot take a connection: raise its limit, or detach tasks";
+          refuse_unread(fd, BB_E_SYSTEM, why.c_str());
           ::close(fd);
         }
-        spare_fd_.reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+        reserve_spare_fd();
         if (fd >= 0 && spare_fd_) continue;
       }
       accept_paused_until_ns_ = now_ns() + kAcceptPauseNs;
@@ -1105,8 +1100,9 @@ void Trainer::attach_task(Conn& c, const void* raw) {
       return reject(BB_E_FULL, "hub " + job_ + "." + std::to_string(rank_) + " has no free "
                     "task slot: " + std::to_string(freeing) + " of its " +
                     std::to_string(opts_.max_slots) + " held tasks that left and are being "
-                    "freed (within about 0.1 s, or at the end of the bubble open now); try "
-                    "again then");
+                    "freed (" + (membarrier_ ? "within about 0.1 s, or " : "at the trainer's "
+                    "next bubble call, or ") + "at the end of the bubble open now); try again "
+                    "then");
     return reject(BB_E_FULL, "hub " + job_ + "." + std::to_string(rank_) + " has all " +
                                  std::to_string(opts_.max_slots) +
                                  " task slots in use: detach a task, or open the hub with a "
@@ -1134,12 +1130,10 @@ void Trainer::attach_task(Conn& c, const void* raw) {
         ps = shm::pidfd_open_pid(cred.pid, &fd, &why);
       } else if (errno == EMFILE || errno == ENFILE || errno == ENOMEM) {  // the trainer's lack
         ps = BB_E_SYSTEM;
-        rlimit rl{};
+        const bool at_limit = errno == EMFILE;
         why = std::string("the trainer cannot open a descriptor for it: ") + std::strerror(errno) +
-              (errno == EMFILE && getrlimit(RLIMIT_NOFILE, &rl) == 0
-                   ? " (RLIMIT_NOFILE " + std::to_string(rl.rlim_cur) + "; raise it with "
-                     "ulimit -n, or detach tasks)"
-                   : std::string());
+              (at_limit ? shm::fd_limit_note() + "; raise the trainer's limit, or detach tasks"
+                        : std::string());
       } else {  // the kernel knows the peer and cannot name it: it has exited
         ps = BB_E_NOT_FOUND;
         why = std::string("it has exited (") + std::strerror(errno) + ")";
@@ -1880,8 +1874,7 @@ bb_status Trainer::take_back_grants_and_wait(const GrantLender* l, uint64_t dead
   // cannot reach (another uid) is not waited for beyond this; docs/GRANTS.md says so. (A
   // deadline already past still gets that moment; one at the end of time waits for good.)
   const uint64_t from = std::max(deadline_ns, now_ns());
-  const uint64_t give_up = from > UINT64_MAX - kCloseDeathWaitNs ? UINT64_MAX
-                                                                  : from + kCloseDeathWaitNs;
+  const uint64_t give_up = add_sat(from, kCloseDeathWaitNs);
   for (;;) {
     const LenderStats now = l->stats();
     if (now.active + now.revoking == 0) return BB_OK;

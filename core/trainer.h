@@ -157,6 +157,7 @@ class Trainer {
   // A descriptor kept in reserve (/dev/null): at the process's descriptor limit, closed to
   // accept a connection and refuse it with the reason, then taken back (accept_all).
   shm::Fd spare_fd_;
+  void reserve_spare_fd();
   uint64_t accept_paused_until_ns_ = 0;  // service thread: no accept before (no spare to use)
   shm::Mapping hub_map_;
   shm::HubView hub_;

@@ -93,9 +93,6 @@ struct LiveTask {
   bool killed_by_agent = false;
   bool cancel = false;
   bool replace = false;
-  // Why it is placed again ("hub j:0 drained"), said when it was decided: by the time the task
-  // exits, a new trainer may serve a hub that went away under the same name.
-  std::string replace_why;
   bool exited = false;
   bool watch_failed = false;  // pidfd_open failed for a reason other than its exit
 };
@@ -209,6 +206,10 @@ class Agent {
   void continue_stopped(TaskRow* row, const std::string& hub, const std::string& why);
   // Enforcement found a task it may not signal (EPERM): says so once, and leaves it alone.
   void unsignalable(TaskRow* row, EnforceState* st, Hub* hub, int32_t pid);
+  // Records once-noted enforcement the agent will not carry out: `why` ends the row's message,
+  // `detail` the action's reason.
+  void note_unenforced(TaskRow* row, const EnforceState& st, Hub* hub, int32_t pid,
+                       const std::string& why, const std::string& detail);
   void record(const TaskRow* row, pid_t pid, const std::string& hub, const std::string& action,
               const std::string& detail);
   // Writes the row; a failed write (disk full, the database locked) is logged and tried again

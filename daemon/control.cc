@@ -103,6 +103,14 @@ void close_conn(Conn* c) {
 void send_error(Conn* c, uint64_t id, proto::Error::Code code, const std::string& message,
                 bool close_after);
 
+// The connection closes once what is queued for it is written: nothing more is read from it,
+// answered or sent.
+void stop_serving(Conn* c) {
+  uv_read_stop(reinterpret_cast<uv_stream_t*>(&c->pipe));
+  c->close_pending = true;
+  std::erase(c->agent->backlog_, c);
+}
+
 size_t held_by(Conn* c) {
   if (c->closing) return 0;
   const size_t unread =
@@ -161,11 +169,7 @@ void send(Conn* c, capnp::MessageBuilder& msg, bool close_after) {
   w->close_after = close_after;
   uv_buf_t buf = uv_buf_init(reinterpret_cast<char*>(w->bytes.data()),
                              static_cast<unsigned>(w->bytes.size()));
-  if (close_after) {
-    uv_read_stop(reinterpret_cast<uv_stream_t*>(&c->pipe));
-    c->close_pending = true;
-    std::erase(c->agent->backlog_, c);
-  }
+  if (close_after) stop_serving(c);
   int rc = uv_write(&w->req, reinterpret_cast<uv_stream_t*>(&c->pipe), &buf, 1,
                     [](uv_write_t* req, int) {
                       auto* w = reinterpret_cast<WriteReq*>(req);
@@ -704,9 +708,7 @@ void on_read(uv_stream_t* s, ssize_t nread, const uv_buf_t* buf) {
                uv_stream_get_write_queue_size(reinterpret_cast<uv_stream_t*>(&c->pipe)) > 0) {
       // The client shut its side after its requests (a half-close) and may still be reading:
       // the replies queued for it go out before the connection closes.
-      uv_read_stop(s);
-      c->close_pending = true;
-      std::erase(c->agent->backlog_, c);
+      stop_serving(c);
       auto* req = new uv_shutdown_t;
       req->data = c;
       // Runs before the handle's close callback frees c, also when a close cancels it.

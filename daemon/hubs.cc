@@ -368,7 +368,6 @@ void Agent::on_hub_gone(Hub* hub, const char* why) {
     LiveTask* lt = live(id);
     if (lt && !lt->cancel) {
       lt->replace = true;
-      lt->replace_why = "hub " + hub->name + " went away";
       record(&row, row.pid, hub->name, "replace", "its hub went away: re-placing the task");
       terminate(&row, "its hub went away");
     }
@@ -622,13 +621,9 @@ void Agent::enforce_hub(Hub* hub, uint64_t now) {
       // records the first violation and signals nothing.
       if (!st.in_trainer_noted && (v == Verdict::kStop || v == Verdict::kKill)) {
         st.in_trainer_noted = true;
-        row.violations = std::max(row.violations, st.violations);
-        if (row.state != "stopping")
-          row.message = "ignores pauses, but runs inside its trainer's process: not signalled";
-        record(&row, row.pid, hub->name, "unenforced",
-               "pause not acked within the grace period; the task runs inside its trainer's "
-               "process (pid " + std::to_string(row.pid) + "), which the agent never signals");
-        save(row);
+        note_unenforced(&row, st, hub, row.pid, "runs inside its trainer's process",
+                        "the task runs inside its trainer's process (pid " +
+                            std::to_string(row.pid) + "), which the agent never signals");
       }
       continue;
     }
@@ -682,12 +677,19 @@ void Agent::unsignalable(TaskRow* row, EnforceState* st, Hub* hub, int32_t pid) 
   // Not stopped, nor killed, whatever the verdict: recorded once, and enforced no more (its
   // trainer still pauses it; only the agent's signals cannot reach it).
   st->unsignalable = true;
-  row->violations = std::max(row->violations, st->violations);
-  row->message = "ignores pauses, but runs as another user than the agent's: not signalled";
-  record(row, row->origin == "attached" ? row->pid : pid, hub->name, "unenforced",
-         "pause not acked within the grace period; the agent may not signal pid " +
-             std::to_string(row->pid) + " (EPERM: another user's process): run the agent as "
-             "root or as the task's user to enforce it");
+  note_unenforced(row, *st, hub, row->origin == "attached" ? row->pid : pid,
+                  "runs as another user than the agent's",
+                  "the agent may not signal pid " + std::to_string(row->pid) +
+                      " (EPERM: another user's process): run the agent as root or as the "
+                      "task's user to enforce it");
+}
+
+void Agent::note_unenforced(TaskRow* row, const EnforceState& st, Hub* hub, int32_t pid,
+                            const std::string& why, const std::string& detail) {
+  row->violations = std::max(row->violations, st.violations);
+  if (row->state != "stopping") row->message = "ignores pauses, but " + why + ": not signalled";
+  record(row, pid, hub->name, "unenforced",
+         "pause not acked within the grace period; " + detail);
   save(*row);
 }
 

@@ -17,6 +17,7 @@
 // fits nowhere does not hold back smaller ones behind it.
 #pragma once
 
+#include "core/clock.h"  // add_sat: memory needs are the tasks' word, summed without wrapping
 #include "daemon/task.h"
 
 #include <cstdint>
@@ -25,9 +26,7 @@
 
 namespace bb::daemon {
 
-// a + b, or UINT64_MAX where it would wrap: memory needs come from tasks (a self-attached one
-// states any mem_need), and a sum that wrapped would make a full hub look empty.
-inline uint64_t add_sat(uint64_t a, uint64_t b) { return b > UINT64_MAX - a ? UINT64_MAX : a + b; }
+using bb::core::add_sat;
 
 struct HubCandidate {
   std::string name;       // JOB:RANK

@@ -284,8 +284,8 @@ uint64_t Agent::log_kept_from(int64_t id, bool err) const {
 }
 
 namespace {
-// Why a task being stopped is placed again, from its row's message ("stopping: its hub is
-// draining" or "... went away"), for an agent that restarted meanwhile; "" if it does not say.
+// Why a task being stopped is placed again, from the message its stop wrote ("stopping: its hub
+// is draining" or "... went away", kept across agent restarts); "" if it does not say.
 std::string replace_reason(const TaskRow& row) {
   if (row.message.find("draining") != std::string::npos) return "hub " + row.hub + " drained";
   if (row.message.find("went away") != std::string::npos) return "hub " + row.hub + " went away";
@@ -557,7 +557,9 @@ void Agent::on_task_exit(LiveTask* lt, ExitStatus st) {
   if (recorded) st = file;  // the task's own status, not the wrapper's
   kill_orphans(row, !recorded);
   bool killed = lt->killed_by_agent, cancel = lt->cancel, replace = lt->replace;
-  const std::string replace_why = lt->replace_why;
+  // Why it is placed again, as its stop said when it was decided (a new trainer may serve a hub
+  // that went away under the same name by the time the task exits).
+  const std::string replace_why = replace_reason(row);
   release_live(row.id);
   row.exit_code = st.known ? st.code : -1;
   row.signal = st.signal;
@@ -837,7 +839,6 @@ std::string Agent::drain(const std::string& hub_name, bool undo, std::string* do
     LiveTask* lt = live(id);
     if (!lt) continue;
     lt->replace = true;
-    lt->replace_why = "hub " + hub_name + " drained";
     record(&row, row.pid, hub_name, "replace", "its hub is draining: re-placing the task");
     terminate(&row, "its hub is draining");
     ++moved;
@@ -953,7 +954,6 @@ std::string Agent::readopt_tasks() {
         LiveTask* lt = live(id);
         if (lt) lt->cancel = row.message.find("cancel") != std::string::npos;
         if (lt) lt->replace = !lt->cancel;
-        if (lt && lt->replace) lt->replace_why = replace_reason(row);
         // The stop goes on for the reason it was asked for: the message is what the next agent
         // reads it from (a cancel must stay a cancel however many restarts come).
         const std::string prefix = "stopping: ";
@@ -1029,7 +1029,6 @@ void Agent::settle_dead_tasks() {
     lt->replace = row.state == "stopping" && !lt->cancel &&
                   row.message.find("stop requested before the agent restarted") ==
                       std::string::npos;
-    if (lt->replace) lt->replace_why = replace_reason(row);
     LiveTask* raw = lt.get();
     live_[id] = std::move(lt);
     on_task_exit(raw, st);

@@ -69,13 +69,17 @@ int send_with_fds(int sock, const void* data, size_t len, const int* fds, size_t
   }
 }
 
-std::string no_fd_room_message() {
+std::string fd_limit_note() {
   rlimit rl{};
-  const std::string limit = getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY
-                                ? " (RLIMIT_NOFILE " + std::to_string(rl.rlim_cur) + ", `ulimit -n`)"
-                                : "";
-  return "this process is at its limit of open descriptors" + limit + ", so the ones sent to "
-         "it were dropped; close descriptors it no longer needs, or raise the limit";
+  return getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY
+             ? " (RLIMIT_NOFILE " + std::to_string(rl.rlim_cur) + ", `ulimit -n`)"
+             : "";
+}
+
+std::string no_fd_room_message() {
+  return "this process is at its limit of open descriptors" + fd_limit_note() +
+         ", so the ones sent to it were dropped; close descriptors it no longer needs, or raise "
+         "the limit";
 }
 
 long recv_with_fds(int sock, void* data, size_t cap, int* fds, size_t max_fds, size_t* nfds,
@@ -127,7 +131,7 @@ long recv_with_fds(int sock, void* data, size_t cap, int* fds, size_t max_fds, s
   if (dropped) dispose(extra, std::min(dropped, kKernelMaxFds));
   // A truncation with room left in the buffer is the kernel failing to install descriptors
   // (EMFILE, ENFILE), not a sender passing more than fit.
-  if ((msg.msg_flags & MSG_CTRUNC) && !dropped && got < kKernelMaxFds)
+  if ((msg.msg_flags & MSG_CTRUNC) && !dropped)
     *problem = RecvProblem::kNoRoom;
   else if ((msg.msg_flags & MSG_CTRUNC) || dropped) *problem = RecvProblem::kTooManyFds;
   else if (msg.msg_flags & MSG_TRUNC) *problem = RecvProblem::kTooLong;

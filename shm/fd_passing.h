@@ -40,6 +40,9 @@ using DisposeFds = void (*)(const int* fds, size_t n);
 // What went wrong when descriptors came that this process had no room for (RecvProblem::kNoRoom),
 // naming its descriptor limit and what to do.
 std::string no_fd_room_message();
+// " (RLIMIT_NOFILE <n>, `ulimit -n`)", the process's descriptor limit for a message, or "" when
+// it is unknown or unlimited.
+std::string fd_limit_note();
 
 // Receives one message of at most cap bytes with at most max_fds (<= kMaxPassedFds)
 // close-on-exec descriptors, retrying EINTR. Returns the byte count (0: the peer closed) or

@@ -37,12 +37,12 @@ for preset in asan tsan; do
     bubble_security_tests bb_security_probe
   # Left out here: agent_limits (the agent is not built in these stages), and the tests that
   # drop a process's descriptor limit to what it holds (the hub service test to 3, the
-  # descriptor_limit ones to no room at all): the sanitizers' own runtime then cannot open what
+  # at_its_descriptor_limit ones to no room at all): the sanitizers' own runtime then cannot open what
   # it needs (the pipe it probes memory with, its reports), and reports the code under test
   # falsely. The release stage runs them.
   (cd "$root/build/$preset" &&
      ctest --output-on-failure -j "$jobs" --timeout 900 -R '^(unit|process|security)/' \
-       -E 'agent_limits|a_hub_service_whose_poll_fails|descriptor_limit')
+       -E 'agent_limits|a_hub_service_whose_poll_fails|at_its_descriptor_limit')
 done
 
 echo "== fuzzing: ${BUBBLE_FUZZ_SECONDS:-30} s per target"

@@ -18,11 +18,8 @@ namespace {
 bool current_cuda_device(int32_t* device) {
   std::string error;
   const core::CudaDriver* drv = core::cuda_driver(&error);
-  if (!drv) return false;
-  CUcontext ctx = nullptr;
-  CUdevice dev = -1;
-  if (drv->CtxGetCurrent(&ctx) != CUDA_SUCCESS || !ctx) return false;
-  if (drv->CtxGetDevice(&dev) != CUDA_SUCCESS || dev < 0) return false;
+  int dev = -1;
+  if (!drv || !drv->current_device(&dev)) return false;
   *device = int32_t(dev);
   return true;
 }

@@ -934,7 +934,6 @@ TEST_CASE("a_long_read_of_a_grant_lets_the_hub_service_in_between_its_pieces") {
   // twenty tries, one is asked to land.
   int inside = 0;
   for (int k = 0; k < 20; ++k) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
     const uint64_t before = reads.load();
     bb_grant_info_t g{sizeof g};
     CHECK(bb_trainer_task_grant(t.h, id, &g) == BB_OK);

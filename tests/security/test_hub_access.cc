@@ -189,12 +189,16 @@ TEST_CASE("another_uid_is_refused_by_the_trainer_even_when_the_socket_is_opened_
   bb_task_detach(t);
 }
 
-// A task of the trainer's own uid, attached to hub, and the probe's arguments that name its slot
-// to `probe_cmd` (page-raw, stop-raw). Detached when it goes.
+// A task of the trainer's own uid on a hub the allowed uid may reach, and the probe's arguments
+// that name its slot to `probe_cmd` (page-raw, stop-raw). Detached when it goes.
 struct Victim {
+  RuntimeDir dir;
+  Hub hub;
   bb_task_h task = nullptr;
   std::vector<std::string> args;
-  Victim(Hub& hub, const char* job, const char* probe_cmd) {
+  // A hub that lets the allowed uid in (its socket opened up to it) and a task on it.
+  Victim(const char* job, const char* probe_cmd) : hub(dir, job, kNobody) {
+    open_up(dir, hub.sock);
     REQUIRE(bb_task_attach(job, 0, "victim", nullptr, &task) == BB_OK);
     REQUIRE(bbtest::eventually([&] { return hub.attached() == 1; }));
     bb_task_info_t info{sizeof info};
@@ -232,10 +236,7 @@ TEST_CASE("an_allowed_uid_gets_no_task_page_it_could_write") {
   // A task page's descriptor can write: given to the allow_uid user it would let that user
   // forge any task's acks, grant words and reports. The trainer's own uid still gets it.
   if (!root()) return;
-  RuntimeDir dir;
-  Hub hub(dir, "pages", kNobody);
-  open_up(dir, hub.sock);
-  Victim v(hub, "pages", "page-raw");
+  Victim v("pages", "page-raw");
   const std::string guest = v.by_guest();
   CHECK_MESSAGE(has(guest, "RESULT BB_E_PERMISSION fds=0"), guest);
   CHECK_MESSAGE(has(guest, "task pages go only to the trainer's own uid"), guest);
@@ -248,10 +249,7 @@ TEST_CASE("an_allowed_uid_cannot_stop_the_trainers_tasks") {
   // Watching is what allow_uid admits: a stop from that uid would let one of its tasks stop
   // every task on the hub (the agent refuses its cancel for the same reason).
   if (!root()) return;
-  RuntimeDir dir;
-  Hub hub(dir, "stops", kNobody);
-  open_up(dir, hub.sock);
-  Victim v(hub, "stops", "stop-raw");
+  Victim v("stops", "stop-raw");
   const std::string guest = v.by_guest();
   CHECK_MESSAGE(has(guest, "RESULT BB_E_PERMISSION"), guest);
   CHECK_MESSAGE(has(guest, "stops come only from the trainer's own uid"), guest);

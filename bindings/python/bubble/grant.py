@@ -71,7 +71,8 @@ class GrantInfo:
             raise TypeError(f"grant {self.id} is device memory ({self.backend!r}): copy it "
                             "out with Trainer.read_grant(), or pass its address to device code")
         # The trainer's views of the lent range, released when it unlends or closes (set by
-        # Trainer.task_grant, not a field: asdict, copies and pickles leave it out).
+        # Trainer.task_grant, not a field: asdict leaves it out, a copy shares it, a pickle
+        # gets a closed one).
         views = self.__dict__.get("_views")
         if views is None:  # made by hand, not by a trainer
             return _host_view(self.address, self.bytes)

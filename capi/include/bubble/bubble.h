@@ -240,8 +240,9 @@ typedef struct bb_trainer_stats_t {
   uint64_t start_latency_p50_ns, start_latency_p99_ns; /* bubble begin -> task running */
   uint64_t pause_latency_p50_ns, pause_latency_p99_ns; /* bubble end -> task acked pause */
   uint64_t tasks_reclaimed;     /* slots freed after their task detached or died (a slot is
-                                   freed at the trainer's next bubble call after that, or
-                                   0.1 s after it while no bubble is open and none comes) */
+                                   freed at the trainer's next bubble call after that, or,
+                                   where the kernel allows membarrier, 0.1 s after it while
+                                   no bubble is open and none comes) */
   uint64_t tasks_bad;           /* tasks marked bad: their page failed validation */
   uint64_t events_dropped;      /* reports lost to full rings */
 } bb_trainer_stats_t;
@@ -277,7 +278,8 @@ typedef struct bb_task_info_t {
 /* Copies up to cap attached tasks into out (out may be NULL when cap is 0); *count receives the
  * number attached, which may exceed cap. Set size to sizeof(bb_task_info_t) in every element:
  * it is the array's stride, so a binary built against an older header gets the fields it knows.
- * BB_E_INVALID when out[0].size is under 8, over 65536 or not a multiple of 8, or another
+ * BB_E_INVALID when out[0].size is under 8, over 65536 or not a multiple of the struct's
+ * alignment (8 on 64-bit machines), or another
  * element's differs; *count is 0 then. */
 BB_API bb_status bb_trainer_tasks(bb_trainer_h trainer, bb_task_info_t *out, size_t cap,
                                   size_t *count);
@@ -525,7 +527,7 @@ BB_API bb_status bb_trainer_unlend(bb_trainer_h trainer, uint64_t deadline_ns);
  * live, BB_E_BUSY when the task holds a grant (or its connection is full: try again shortly),
  * BB_E_STATE when nothing is lent or it is being taken back, BB_E_NOT_FOUND when the task is not
  * attached, BB_E_INVALID when bytes is 0 and the task stated no mem_need, or when they are more
- * than all the lent memory (a task whose mem_need is is not granted automatically either). */
+ * than all the lent memory (a task whose mem_need is larger is not granted automatically either). */
 BB_API bb_status bb_trainer_grant(bb_trainer_h trainer, uint64_t task_id, uint64_t bytes,
                                   uint64_t *grant_id);
 /* Asks a task to give its grant back by deadline_ns (CLOCK_MONOTONIC; 0 = now + 1 s). Returns
